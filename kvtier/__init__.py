@@ -1,0 +1,39 @@
+"""kvtier: keep a reasoning model's whole chain of thought without keeping it all in GPU memory."""
+
+from __future__ import annotations
+
+from .attention import prepare_model
+from .cache import KVTierCache
+from .config import TierConfig
+from .policies import POLICIES, get_policy
+
+__version__ = "0.1.0"
+
+
+def make_cache(policy: str, model, **params) -> KVTierCache:
+    """Build a transformers ``Cache`` for ``policy`` and prepare ``model`` to use it.
+
+    Args:
+        policy: a name in :data:`POLICIES` (``"full"``, ``"tiered"``, ...).
+        model: a transformers causal LM (Qwen2, Llama, Mistral, Qwen3-style decoders).
+        **params: the policy's parameters, e.g. ``hbm_ratio=0.3, evict_ratio=0.03``.
+    Raises:
+        ValueError: unknown policy or parameter, or a parameter out of range.
+        NotImplementedError: the model's attention is not supported (sliding window, MLA).
+    """
+    cls = get_policy(policy)
+    cls.check_params(params)
+    prepare_model(model)
+    from .attention import num_cache_layers
+
+    return cls.build(num_cache_layers(model), **params)
+
+
+def load_model(*args, **kwargs):
+    """See :func:`kvtier.models.load_model`."""
+    from .models import load_model as _load
+
+    return _load(*args, **kwargs)
+
+
+__all__ = ["POLICIES", "KVTierCache", "TierConfig", "load_model", "make_cache", "prepare_model"]

@@ -1,0 +1,90 @@
+"""kvtier's attention function, registered through transformers' own extension points.
+
+``prepare_model`` registers ``"kvtier"`` with ``AttentionInterface`` (the attention) and
+``AttentionMaskInterface`` (a boolean SDPA-style mask, so left padding reaches us), then switches the
+model to it. Nothing in the model class or in ``generate`` is patched. Without a kvtier cache (e.g. a
+plain ``DynamicCache``) the function is transformers' SDPA, so a prepared model still works normally.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_NAME = "kvtier"
+
+# model_type -> why it is not supported
+_UNSUPPORTED = {
+    "deepseek_v2": "multi-head latent attention (MLA)",
+    "deepseek_v3": "multi-head latent attention (MLA)",
+    "gemma2": "sliding-window layers and attention soft-capping",
+    "gemma3": "sliding-window layers",
+    "gpt_oss": "sliding-window layers and attention sinks",
+}
+
+
+def kvtier_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs,
+):
+    """Attention over the kept tokens of the layer's kvtier cache; SDPA when there is none.
+
+    Args:
+        query: (B, H_q, q, D); key/value: (B, H_kv, q, D), the new states (the cache holds the rest).
+    Returns:
+        (B, q, H_q, D) output and None (weights are consumed internally for the scores).
+    """
+    layer = kwargs.pop("kvtier_layer", None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if kwargs.get("sliding_window") is not None:
+        raise NotImplementedError("kvtier does not support sliding-window attention layers")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return layer.attend(query, attention_mask, scaling)
+
+
+def _register() -> None:
+    AttentionInterface.register(ATTN_NAME, kvtier_attention)
+    AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+def check_supported(model) -> None:
+    """Raise ``NotImplementedError`` naming the model type when kvtier cannot serve it."""
+    config = model.config
+    mtype = getattr(config, "model_type", type(model).__name__)
+    if mtype in _UNSUPPORTED:
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r}: {_UNSUPPORTED[mtype]}")
+    if getattr(config, "kv_lora_rank", None):
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r}: multi-head latent attention (MLA)")
+    layer_types = getattr(config, "layer_types", None) or []
+    if any(t != "full_attention" for t in layer_types):
+        raise NotImplementedError(
+            f"kvtier does not support model type {mtype!r} with layer types {sorted(set(layer_types))}: only full attention"
+        )
+    if getattr(config, "use_sliding_window", False) or (mtype == "mistral" and getattr(config, "sliding_window", None)):
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r} with sliding-window attention")
+    attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
+    if not attn:
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r}: no attention modules with a layer_idx")
+
+
+def prepare_model(model) -> None:
+    """Register kvtier's attention and switch ``model`` to it (idempotent)."""
+    check_supported(model)
+    _register()
+    if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
+        model.set_attn_implementation(ATTN_NAME)
+
+
+def num_cache_layers(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(config.num_hidden_layers)
