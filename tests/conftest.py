@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.models import random_model
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def qwen2():
+    return random_model("tiny-qwen2", dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def llama():
+    return random_model("tiny-llama", dtype=torch.float32)
+
+
+def prompt_ids(batch=1, length=16, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=g)
+
+
+def generate(model, policy, ids, new_tokens=64, attention_mask=None, **params):
+    """Greedy generation through a kvtier cache; returns (sequences, logits (steps, B, V), cache)."""
+    cache = kvtier.make_cache(policy, model, **params)
+    if attention_mask is None:
+        attention_mask = torch.ones_like(ids)
+    out = model.generate(
+        ids,
+        attention_mask=attention_mask,
+        cache=cache,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_logits=True,
+        return_dict_in_generate=True,
+        pad_token_id=0,
+    )
+    return out.sequences, torch.stack(out.logits), cache
+
+
+def decode_loop(model, cache, ids, steps, on_step=None):
+    """Manual greedy decoding (one forward per token) so tests can look at the cache between steps."""
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        logits = [out.logits[:, -1]]
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        for s in range(steps):
+            mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
+            out = model(input_ids=tok, attention_mask=mask, cache=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+            tok = out.logits[:, -1].argmax(-1, keepdim=True)
+            if on_step is not None:
+                on_step(s, cache)
+    return torch.stack(logits)
+
+
+def forced_logits(model, cache, seq, prompt_len):
+    """Teacher-forced decoding of ``seq`` (B, T): prefill ``prompt_len`` tokens, then one token per step.
+
+    Both caches see the same tokens, so logit differences measure the cache alone, not a diverged text.
+    """
+    with torch.no_grad():
+        out = model(input_ids=seq[:, :prompt_len], attention_mask=torch.ones_like(seq[:, :prompt_len]), cache=cache)
+        logits = [out.logits[:, -1]]
+        for i in range(prompt_len, seq.shape[1]):
+            out = model(input_ids=seq[:, i : i + 1], attention_mask=torch.ones_like(seq[:, : i + 1]), cache=cache)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits)
