@@ -44,6 +44,8 @@ class TierConfig:
         sink_tokens: first real tokens of each sequence that are always protected.
         recent_window: last tokens of each sequence that are always protected.
         protect_prompt: protect the whole prompt (the paper's default).
+        rest_tier: the tier that takes what the ratios leave: "T1" (the hierarchy), "T0" (eviction-only
+            ablation: everything kept stays on the device) or "T2" (precision ablation: the rest is int8).
     """
 
     hbm_ratio: float = 0.3
@@ -53,8 +55,11 @@ class TierConfig:
     sink_tokens: int = 4
     recent_window: int = 128
     protect_prompt: bool = True
+    rest_tier: str = "T1"
 
     def __post_init__(self) -> None:
+        if self.rest_tier not in ("T0", "T1", "T2"):
+            raise ValueError(f"rest_tier must be 'T0', 'T1' or 'T2', got {self.rest_tier!r}")
         for name in ("hbm_ratio", "quant_ratio", "evict_ratio"):
             _check_ratio(name, getattr(self, name))
         total = self.hbm_ratio + self.quant_ratio + self.evict_ratio

@@ -8,7 +8,8 @@ Rules (per row b, with N_b real positions, P_b protected, E_b already evicted):
     n2 = floor(quant_ratio * N_b)
     n0 = max(P_b, floor(hbm_ratio * N_b))
 Unprotected, alive positions are ranked by score (ties: the newer position ranks higher). The lowest
-``n3 - E_b`` go to T3, the next lowest ``n2`` to T2, the highest ``n0 - P_b`` to T0 and the middle to T1.
+``n3 - E_b`` go to T3, the next lowest ``n2`` to T2, the highest ``n0 - P_b`` to T0 and the middle to
+``cfg.rest_tier`` (T1 for the hierarchy; T0 or T2 for the eviction-only and precision ablations).
 When the protected set is larger than a budget allows, eviction and quantization keep their share first
 and T0 shrinks to the protected set; protected positions are never quantized or evicted.
 """
@@ -21,6 +22,7 @@ from .config import TierConfig, budget
 
 T0, T1, T2, T3 = 0, 1, 2, 3
 PAD = -1  # left padding: never scored, never counted, never moved
+REST = {"T0": T0, "T1": T1, "T2": T2}
 
 
 def protected_mask(valid: torch.Tensor, prompt: torch.Tensor, cfg: TierConfig) -> torch.Tensor:
@@ -88,7 +90,7 @@ def assign_tiers(
     rank.scatter_(1, order, torch.arange(N).expand(B, N).contiguous())
 
     a_, m_, e_, q_ = (t.unsqueeze(1) for t in (a, m, e, q))
-    tiers = torch.full((B, N), T1, dtype=torch.int8)
+    tiers = torch.full((B, N), REST[cfg.rest_tier], dtype=torch.int8)
     tiers[rank < a_] = T0
     tiers[(rank >= m_ - e_ - q_) & (rank < m_ - e_)] = T2
     tiers[(rank >= m_ - e_) & (rank < m_)] = T3
@@ -132,5 +134,5 @@ def assign_tiers_reference(
             elif i >= len(cands) - e - q:
                 out[r, p] = T2
             else:
-                out[r, p] = T1
+                out[r, p] = REST[cfg.rest_tier]
     return out

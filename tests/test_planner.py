@@ -32,14 +32,15 @@ def _case(seed, B, N, ties):
     recent=st.integers(0, 10),
     protect_prompt=st.booleans(),
     ties=st.booleans(),
+    rest=st.sampled_from(["T0", "T1", "T2"]),
 )
-def test_vectorized_matches_reference(seed, B, N, ratios, sink, recent, protect_prompt, ties):
+def test_vectorized_matches_reference(seed, B, N, ratios, sink, recent, protect_prompt, ties, rest):
     h, q, e = ratios
     total = h + q + e
     if total > 1:
         h, q, e = h / total * 0.999, q / total * 0.999, e / total * 0.999
     cfg = TierConfig(hbm_ratio=h, quant_ratio=q, evict_ratio=e, sink_tokens=sink, recent_window=recent,
-                     protect_prompt=protect_prompt)
+                     protect_prompt=protect_prompt, rest_tier=rest)
     scores, valid, prompt, evicted = _case(seed, B, N, ties)
     prot = protected_mask(valid, prompt, cfg)
     fast = assign_tiers(scores, valid, prot, evicted, cfg)

@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 from .base import Policy
+from .evict import EvictPolicy
 from .full import FullPolicy
+from .h2o import H2OPolicy
+from .quant import QuantPolicy
+from .rkv import RKVPolicy
+from .streaming_llm import StreamingLLMPolicy
 from .tiered import TieredPolicy
 
-POLICIES: dict[str, type[Policy]] = {p.name: p for p in (FullPolicy, TieredPolicy)}
+POLICIES: dict[str, type[Policy]] = {
+    p.name: p for p in (FullPolicy, TieredPolicy, EvictPolicy, QuantPolicy, StreamingLLMPolicy, H2OPolicy, RKVPolicy)
+}
 
 
 def get_policy(name: str) -> type[Policy]:

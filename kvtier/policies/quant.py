@@ -1,0 +1,31 @@
+"""``quant``: the seed paper's precision-sensitivity ablation.
+
+The tiered cache with ``rest_tier="T2"``: protected tokens and the top ``hbm_ratio`` stay on the device in
+full precision, the lowest ``evict_ratio`` are evicted, and everything else is stored as int8 (per token,
+per kv-head scales) instead of going to T1.
+"""
+
+from __future__ import annotations
+
+from ..cache import KVTierCache
+from ..config import TierConfig
+from .base import Policy
+
+
+class QuantPolicy(Policy):
+    name = "quant"
+    description = "kept tokens outside T0 stored as int8 instead of T1"
+
+    @classmethod
+    def build(
+        cls,
+        num_layers: int,
+        hbm_ratio: float = 0.3,
+        evict_ratio: float = 0.0,
+        retier_interval: int = 64,
+        sink_tokens: int = 4,
+        recent_window: int = 128,
+        protect_prompt: bool = True,
+    ) -> KVTierCache:
+        cfg = TierConfig(hbm_ratio, 0.0, evict_ratio, retier_interval, sink_tokens, recent_window, protect_prompt, rest_tier="T2")
+        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name)

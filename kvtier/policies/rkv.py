@@ -1,0 +1,130 @@
+"""``rkv``: R-KV (Cai et al., 2025, "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models").
+
+Per layer and kv-head, each time ``buffer`` new tokens have accumulated (and a row is over its budget):
+
+- importance: the attention logits of the last ``window`` queries on the older keys, pooled over the query
+  heads of a kv group by max (as the reference code does), softmax over the keys, mean over the window
+  queries, then max-pooled along the sequence (``kernel_size``, stride 1, same padding);
+- redundancy: cosine similarity between keys (diagonal zeroed); for every key, its most recent duplicate
+  (similarity > ``threshold``) has that similarity zeroed so the newest copy is protected; mean over rows,
+  softmax over keys;
+- score = ``lam`` * importance - (1 - ``lam``) * redundancy; keep the top ``budget - window`` older tokens
+  per kv-head plus the ``window`` most recent.
+
+Paper vs code: the paper states lambda = 0.1 (our default); the authors' code uses 0.07 (pass ``lam=0.07``).
+Padding slots (batch > 1) are left out of similarity rows, columns and the softmax. The prompt is not
+protected by default. Cache size: at most budget + ``buffer`` tokens (+1 incoming during attention).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..headwise import EvictionBudget, HeadwiseCache, Scorer
+from .base import Policy
+
+
+def _check_int(name, value, lo):
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an integer >= {lo} for policy 'rkv', got {value!r}")
+
+
+class RKVScorer(Scorer):
+    name = "rkv"
+
+    def __init__(self, window: int, buffer: int, kernel_size: int, lam: float, threshold: float):
+        self.window, self.buffer, self.kernel_size, self.lam, self.threshold = window, buffer, kernel_size, lam, threshold
+
+    def _remember(self, layer, query):
+        prev = layer.aux.get("q")
+        q = query if prev is None else torch.cat([prev, query], dim=2)
+        layer.aux["q"] = q[:, :, -self.window :]
+
+    def after_prefill(self, layer, query, scaling):
+        self._remember(layer, query)
+        layer.aux["since"] = 0
+
+    def after_decode(self, layer, query, probs, scaling):
+        self._remember(layer, query)
+        layer.aux["since"] = layer.aux.get("since", 0) + 1
+
+    def should_compress(self, layer, counts, budgets):
+        over = counts > budgets
+        if not over.any():
+            return False
+        return layer.aux.get("since", 0) >= self.buffer or bool((counts > budgets + self.buffer).any())
+
+    def priority(self, layer, budgets, scaling):
+        layer.aux["since"] = 0
+        return rkv_scores(
+            layer.aux["q"], layer.k[:, :, : layer.S], layer.slot_valid(), scaling,
+            self.window, self.kernel_size, self.lam, self.threshold,
+        )
+
+
+def rkv_scores(q_win, keys, valid, scaling, window, kernel_size, lam, threshold):
+    """R-KV keep-priority per slot.
+
+    Args:
+        q_win: (B, Hq, w, D) the last queries; keys: (B, H, S, D); valid: (B, H, S) bool.
+    Returns:
+        (B, H, S) float32: the score for older slots, +inf for the ``window`` most recent slots.
+    """
+    B, H, S, D = keys.shape
+    Hq = q_win.shape[1]
+    g = Hq // H
+    w = min(window, q_win.shape[2], S - 1)
+    past = S - w
+    kf = keys.float()
+    # importance
+    qg = q_win[:, :, -w:].float().reshape(B, H, g, w, D)
+    logits = torch.matmul(qg, kf[:, :, :past].transpose(-1, -2).unsqueeze(2)) * scaling  # (B, H, g, w, past)
+    logits = logits.max(dim=2).values  # pool the group's query heads (reference: max)
+    logits = logits.masked_fill(~valid[:, :, None, :past], float("-inf"))
+    attn = torch.nan_to_num(torch.softmax(logits, dim=-1)).mean(dim=2)  # (B, H, past)
+    importance = F.max_pool1d(attn.reshape(B * H, 1, past), kernel_size, stride=1, padding=kernel_size // 2)
+    importance = importance.reshape(B, H, past)
+    # redundancy
+    kn = kf / (kf.norm(dim=-1, keepdim=True) + 1e-8)
+    cos = torch.matmul(kn, kn.transpose(-1, -2))  # (B, H, S, S)
+    pair_ok = valid.unsqueeze(-1) & valid.unsqueeze(-2)
+    cos = cos.masked_fill(~pair_ok | torch.eye(S, dtype=torch.bool, device=keys.device), 0.0)
+    idx = torch.arange(S, device=keys.device).view(1, 1, 1, S)
+    newest = torch.where(cos > threshold, idx, torch.zeros_like(idx)).max(dim=-1).values  # (B, H, S)
+    cos = cos.scatter(-1, newest.unsqueeze(-1), 0.0)
+    n_rows = valid.sum(-1, keepdim=True).clamp(min=1).float()
+    mean_sim = cos.sum(dim=-2) / n_rows  # mean over (valid) rows
+    redundancy = torch.softmax(mean_sim.masked_fill(~valid, float("-inf")), dim=-1)
+    redundancy = torch.nan_to_num(redundancy)[:, :, :past]
+    score = lam * importance - (1 - lam) * redundancy
+    return torch.cat([score, torch.full((B, H, w), float("inf"), device=keys.device)], dim=-1)
+
+
+class RKVPolicy(Policy):
+    name = "rkv"
+    description = "importance minus redundancy, per kv-head (Cai et al. 2025)"
+
+    @classmethod
+    def build(
+        cls,
+        num_layers: int,
+        budget_ratio: float | None = None,
+        budget_tokens: int | None = None,
+        window: int = 8,
+        buffer: int = 128,
+        kernel_size: int = 7,
+        lam: float = 0.1,
+        threshold: float = 0.5,
+        protect_prompt: bool = False,
+    ) -> HeadwiseCache:
+        _check_int("window", window, 1)
+        _check_int("buffer", buffer, 1)
+        _check_int("kernel_size", kernel_size, 1)
+        if kernel_size % 2 == 0:
+            raise ValueError(f"kernel_size must be odd for policy 'rkv' (same padding), got {kernel_size}")
+        for name, val in (("lam", lam), ("threshold", threshold)):
+            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 <= val <= 1:
+                raise ValueError(f"{name} must be a number in [0, 1] for policy 'rkv', got {val!r}")
+        budget = EvictionBudget(budget_ratio, budget_tokens)
+        return HeadwiseCache(RKVScorer(window, buffer, kernel_size, lam, threshold), budget, num_layers, protect_prompt, cls.name)
