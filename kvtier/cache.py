@@ -60,6 +60,7 @@ class TierState:
         self.since_retier = 0
         self.retiers = 0
         self.changed_total: dict[str, int] = {}
+        self.peak_device_tokens = 0
         self.last_changed: dict[str, int] = {}
         self._step = None
         self._step_key = None
@@ -125,6 +126,12 @@ class TierState:
         self.loc_idx[:, start : self.n_total] = torch.arange(start - self.layout.n_main, self.n_total - self.layout.n_main)
         if not is_decode:
             self.prompt[:, start : self.n_total] = True
+
+    def note_device_tokens(self) -> None:
+        """Track the peak of device-resident real tokens (T0 + tail): it peaks just before a reassignment."""
+        lay = self.layout
+        n = lay.tiers[T0].count + int(self.valid[:, lay.n_main : self.n_total].sum())
+        self.peak_device_tokens = max(self.peak_device_tokens, n)
 
     def note_validity(self, attention_mask: torch.Tensor | None, q: int) -> None:
         """Read which of the q new positions are padding from the mask's diagonal (B, 1, q, kv)."""
@@ -279,8 +286,10 @@ class TieredLayer(CacheLayerMixin):
         q = k.shape[2]
         end = st.n_total - st.layout.n_main
         start = end - q
-        if end > self.tail_k.shape[2]:
-            cap = max(end, 2 * self.tail_k.shape[2], 64)
+        if end + 1 > self.tail_k.shape[2]:
+            # Same granularity as the work buffer: with nothing in the main tiers (the full policy, or before the
+            # first reassignment) attention reads the tail in place, with the strides an assembled buffer would have.
+            cap = _roundup(end + 1, _WORK_ALIGN)
             B, H, _, D = self.tail_k.shape
             nk = torch.zeros(B, H, cap, D, dtype=k.dtype, device=k.device)
             nv = torch.zeros_like(nk)
@@ -363,6 +372,9 @@ class TieredLayer(CacheLayerMixin):
         """Kept K and V of this layer in position order: two (B, H, K, D) views of the engine's work buffers."""
         st = self.state
         sv = st.step_view()
+        K = sv["K"]
+        if sv["k_main"] == 0 and self.tail_k.shape[2] == sv["cap"]:
+            return self.tail_k[:, :, :K], self.tail_v[:, :, :K]  # nothing to assemble
         eng = st.engine
         B, H, D = st.batch, self.k0.shape[0], self.k0.shape[2]
         wk, wv = eng.work_buffers((B, H, sv["cap"], D), self.k0.dtype)
@@ -383,7 +395,7 @@ class TieredLayer(CacheLayerMixin):
                 fv.index_copy_(0, dest[T2], dequantize(dv["v2"], dv["v2s"], wv.dtype).reshape(-1, D))
             eng.release(slot)
         self._prefetch_next()
-        km, K = sv["k_main"], sv["K"]
+        km = sv["k_main"]
         wk[:, :, km:K].copy_(self.tail_k[:, :, : sv["t"]])
         wv[:, :, km:K].copy_(self.tail_v[:, :, : sv["t"]])
         return wk[:, :, :K], wv[:, :, :K]
@@ -408,6 +420,7 @@ class TieredLayer(CacheLayerMixin):
         B, Hq, q, D = query.shape
         if self.layer_idx == 0:
             st.note_validity(attention_mask, q)
+            st.note_device_tokens()
         if q > 1:
             # Prefill of an empty cache: the tail is the whole sequence; SDPA never builds the (q x q) weights.
             t = st.n_total
@@ -451,6 +464,16 @@ class KVTierCache(Cache):
 
     def stats(self) -> dict[str, Any]:
         return cache_stats(self.state, self.layers)
+
+    def row_tokens(self, row: int) -> dict[str, int]:
+        """Tier token counts of one batch row (padding excluded)."""
+        st = self.state
+        if st.batch is None:
+            return {"T0": 0, "T1": 0, "T2": 0, "T3": 0}
+        n = st.n_total
+        valid, lt = st.valid[row, :n], st.loc_tier[row, :n]
+        count = lambda m: int((m & valid).sum())  # noqa: E731
+        return {"T0": count((lt == T0) | (lt == TAIL)), "T1": count(lt == T1), "T2": count(lt == T2), "T3": count(lt == T3)}
 
 
 def cache_stats(st: TierState, layers) -> dict[str, Any]:
@@ -508,4 +531,5 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         "retiers": st.retiers,
         "decode_steps": st.decode_steps,
         "changed_tokens": dict(st.changed_total),
+        "peak_device_kv_bytes": st.peak_device_tokens * bpt_fp,
     }

@@ -87,6 +87,7 @@ class HeadwiseState:
         self.prompt = None  # (B, cap + 1) bool on the device
         self.decode_steps = 0
         self.compressions = 0
+        self.peak_tokens = 0
         self.dtype = None
         self.n_heads = self.head_dim = None
 
@@ -249,6 +250,8 @@ class HeadwiseLayer(CacheLayerMixin):
             out = torch.matmul(p.to(v.dtype), v).reshape(B, Hq, 1, D)
             st.scorer.after_decode(self, query, p, scaling)
         counts, budgets = self.kept_counts(), self.effective_budgets()
+        if self.layer_idx == 0:
+            st.peak_tokens = max(st.peak_tokens, int(counts.sum()))
         if st.scorer.should_compress(self, counts, budgets):
             self.compress(budgets, scaling)
         return out.transpose(1, 2).contiguous(), None
@@ -339,4 +342,12 @@ class HeadwiseCache(Cache):
             "transfer": zero_t,
             "retiers": st.compressions,
             "decode_steps": st.decode_steps,
+            "peak_device_kv_bytes": st.peak_tokens * bpt,
         }
+
+    def row_tokens(self, row: int) -> dict[str, int]:
+        st = self.state
+        if st.batch is None:
+            return {"T0": 0, "T1": 0, "T2": 0, "T3": 0}
+        kept = int(self.layers[0].kept_counts()[row])
+        return {"T0": kept, "T1": 0, "T2": 0, "T3": int(st.valid[row, : st.n_total].sum()) - kept}

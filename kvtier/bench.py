@@ -1,0 +1,216 @@
+"""System benchmark: decode throughput and transfer costs of each policy, measured side by side in one run.
+
+For every batch size the same random prompt is decoded by stock transformers (SDPA + ``DynamicCache``),
+kvtier ``full`` and every requested policy/ratio, repeats interleaved (A B C A B C ...) so that drift hits
+all configurations alike. Each run: fresh cache, prefill, ``warmup_steps`` untimed decode steps (long enough
+for a first reassignment, so the tiered cache is in its steady state), then ``new_tokens`` timed steps with
+a device synchronize around the timer. Reported: median over repeats.
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from typing import Callable
+
+import torch
+
+from .models import load_model, resolve_device
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class BenchConfig:
+    model: str = "random:tiny-qwen2"
+    context: int = 512
+    new_tokens: int = 64
+    batches: tuple[int, ...] = (1, 4)
+    policies: tuple[str, ...] = ("full", "tiered")
+    hbm_ratios: tuple[float, ...] = (0.3, 0.5, 0.7)
+    evict_ratios: tuple[float, ...] = (0.03,)
+    retier_interval: int = 64
+    recent_window: int = 128
+    repeats: int = 3
+    warmup_steps: int | None = None  # default: retier_interval + 8
+    stock: bool = True
+    device: str = "auto"
+    dtype: str = "auto"
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("context", "new_tokens", "repeats", "retier_interval"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
+            raise ValueError(f"batch sizes must be integers >= 1, got {self.batches!r}")
+        from .policies import get_policy
+
+        for p in self.policies:
+            get_policy(p)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memcpy_peak_gbps(device: torch.device, mib: int = 256, reps: int = 5) -> float:
+    """Host->device copy bandwidth from pinned memory (CUDA), or host memcpy bandwidth (CPU), in GB/s."""
+    n = mib * (1 << 20)
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=device.type == "cuda")
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return n / best / 1e9
+
+
+def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
+    out: list[tuple[str, dict]] = []
+    if cfg.stock:
+        out.append(("stock_sdpa", {}))
+    out.append(("full", {}))
+    for p in cfg.policies:
+        if p == "full":
+            continue
+        common = dict(retier_interval=cfg.retier_interval, recent_window=cfg.recent_window, protect_prompt=False)
+        if p == "tiered":
+            for e in cfg.evict_ratios:
+                for h in cfg.hbm_ratios:
+                    out.append((p, dict(hbm_ratio=h, evict_ratio=e, **common)))
+        elif p in ("evict",):
+            for e in cfg.evict_ratios:
+                out.append((p, dict(evict_ratio=e, **common)))
+        elif p == "quant":
+            for h in cfg.hbm_ratios:
+                out.append((p, dict(hbm_ratio=h, **common)))
+        else:
+            for e in cfg.evict_ratios:
+                out.append((p, dict(budget_ratio=1.0 - e)))
+    return out
+
+
+def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, device: torch.device) -> dict:
+    import kvtier
+
+    cache = make()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.no_grad():
+        out = model(input_ids=ids, cache=cache, use_cache=True)
+        tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        for _ in range(warmup):
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        before = cache.stats() if isinstance(cache, kvtier.KVTierCache) else None
+        _sync(device)
+        t = time.perf_counter()
+        for _ in range(steps):
+            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        _sync(device)
+        dt = time.perf_counter() - t
+    rec = {"seconds": dt, "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    if before is not None:
+        after = cache.stats()
+        tb, ta = before["transfer"], after["transfer"]
+        rec.update(
+            transfer_seconds=ta["seconds"] - tb["seconds"],
+            stream_h2d_bytes=ta["stream_h2d_bytes"] - tb["stream_h2d_bytes"],
+            migration_bytes=(ta["migration_h2d_bytes"] + ta["migration_d2h_bytes"])
+            - (tb["migration_h2d_bytes"] + tb["migration_d2h_bytes"]),
+            tokens=after["tokens"],
+            kv_bytes=after["bytes"],
+            allocated_bytes=after["allocated_bytes"],
+            retiers=after["retiers"],
+        )
+    else:
+        kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+        rec.update(kv_bytes={"T0": kv, "T1": 0, "T2": 0}, allocated_bytes={"device": kv, "host": 0, "staging": 0})
+    return rec
+
+
+def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None) -> dict:
+    """Run the benchmark; returns a JSON-ready dict (``results``: one row per batch x configuration)."""
+    import kvtier
+    from transformers import DynamicCache
+
+    device = resolve_device(cfg.device)
+    model, _ = load_model(cfg.model, device=str(device), dtype=cfg.dtype, seed=cfg.seed)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.retier_interval + 8
+    peak = memcpy_peak_gbps(device)
+    vocab = min(model.config.vocab_size, 256)
+    g = torch.Generator().manual_seed(cfg.seed)
+    rows = []
+    for B in cfg.batches:
+        ids = torch.randint(0, vocab, (B, cfg.context), generator=g).to(device)
+        runs: dict[int, list[dict]] = {}
+        configs = _configs(cfg)
+        for r in range(cfg.repeats + 1):  # repeat 0 warms up kernels and allocators; not reported
+            for i, (name, params) in enumerate(configs):
+                if name == "stock_sdpa":
+                    model.set_attn_implementation("sdpa")
+                    make = lambda: DynamicCache(config=model.config)  # noqa: E731
+                else:
+                    make = lambda n=name, p=params: kvtier.make_cache(n, model, **p)  # noqa: E731
+                rec = _one_run(model, ids, make, warmup, cfg.new_tokens, device)
+                if r > 0:
+                    runs.setdefault(i, []).append(rec)
+                if on_progress:
+                    on_progress(f"batch {B} repeat {r}/{cfg.repeats} {name} {params}")
+        base = {}
+        for i, (name, params) in enumerate(configs):
+            recs = runs[i]
+            med = statistics.median(x["seconds"] for x in recs)
+            last = recs[-1]
+            row = {
+                "batch": B,
+                "policy": name,
+                "params": params,
+                "decode_tok_s": B * cfg.new_tokens / med,
+                "ms_per_step": 1e3 * med / cfg.new_tokens,
+                "seconds_repeats": [x["seconds"] for x in recs],
+                "peak_device_bytes": last["peak_device_bytes"],
+                "kv_bytes": last["kv_bytes"],
+                "allocated_bytes": last["allocated_bytes"],
+            }
+            if "transfer_seconds" in last:
+                ts = statistics.median(x["transfer_seconds"] for x in recs)
+                sb = last["stream_h2d_bytes"]
+                row.update(
+                    transfer_seconds=ts,
+                    transfer_share=ts / med if med else 0.0,
+                    h2d_bytes_per_step=sb / cfg.new_tokens,
+                    migration_bytes_per_step=last["migration_bytes"] / cfg.new_tokens,
+                    h2d_gbps=(sb / ts / 1e9) if ts > 0 else None,
+                    h2d_fraction_of_peak=((sb / ts / 1e9) / peak) if ts > 0 else None,
+                    tokens=last["tokens"],
+                    retiers=last["retiers"],
+                )
+            if name in ("full", "stock_sdpa"):
+                base[name] = row["decode_tok_s"]
+            rows.append(row)
+        for row in rows:
+            if row["batch"] == B:
+                row["ratio_to_full"] = row["decode_tok_s"] / base["full"]
+                row["ratio_to_stock"] = row["decode_tok_s"] / base["stock_sdpa"] if "stock_sdpa" in base else None
+    return {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "kvtier": kvtier.__version__,
+        "config": asdict(cfg),
+        "warmup_steps": warmup,
+        "memcpy_peak_gbps": peak,
+        "results": rows,
+    }

@@ -1,0 +1,215 @@
+"""Summaries, paired tests and plots from recorded evaluations (``kvtier report DIR``)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from .runner import read_records
+from .stats import cochran_q, mcnemar_exact, wilson
+
+_GEN_KEYS = ("benchmark", "model", "max_new_tokens", "temperature", "top_p", "seed")
+
+
+def _base(r: dict) -> tuple:
+    return tuple(r[k] for k in _GEN_KEYS)
+
+
+def eviction_ratio(policy: str, params: dict) -> float | None:
+    """The configured eviction ratio of a policy (1 - budget for the eviction baselines)."""
+    if policy == "full":
+        return 0.0
+    if "evict_ratio" in params:
+        return float(params["evict_ratio"])
+    if "budget_ratio" in params and params["budget_ratio"] is not None:
+        return round(1.0 - float(params["budget_ratio"]), 6)
+    return None
+
+
+def summarize(records: list[dict]) -> dict:
+    """Per-configuration accuracy, intervals, retention, memory and paired tests against ``full``."""
+    by_cfg: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        by_cfg[r["config_key"]].append(r)
+    rows = []
+    full_of: dict[tuple, str] = {}
+    for key, recs in by_cfg.items():
+        if recs[0]["policy"] == "full":
+            full_of[_base(recs[0])] = key
+    for key, recs in by_cfg.items():
+        r0 = recs[0]
+        n = len(recs)
+        k = sum(r["correct"] for r in recs)
+        lo, hi = wilson(k, n)
+        row = {
+            "config_key": key,
+            "benchmark": r0["benchmark"],
+            "policy": r0["policy"],
+            "params": r0["params"],
+            "evict_ratio": eviction_ratio(r0["policy"], r0["params"]),
+            "hbm_ratio": r0["params"].get("hbm_ratio"),
+            "n": n,
+            "correct": k,
+            "accuracy": k / n if n else 0.0,
+            "ci_low": lo,
+            "ci_high": hi,
+            "mean_generated_tokens": sum(r["generated_tokens"] for r in recs) / n,
+            "mean_device_kv_bytes": sum(r["tier_bytes"]["T0"] for r in recs) / n,
+            "mean_evicted_fraction": sum(r["tier_tokens"]["T3"] / max(1, sum(r["tier_tokens"].values())) for r in recs) / n,
+            "seconds": sum(r["seconds"] for r in recs),
+        }
+        fk = full_of.get(_base(r0))
+        if fk is not None:
+            full = {(r["id"], r["sample"]): r for r in by_cfg[fk]}
+            pairs = [(full[(r["id"], r["sample"])], r) for r in recs if (r["id"], r["sample"]) in full]
+            if pairs:
+                fa = sum(a["correct"] for a, _ in pairs) / len(pairs)
+                b = sum(a["correct"] and not x["correct"] for a, x in pairs)
+                c = sum(x["correct"] and not a["correct"] for a, x in pairs)
+                row.update(
+                    paired_n=len(pairs),
+                    full_accuracy=fa,
+                    retention=(sum(x["correct"] for _, x in pairs) / len(pairs)) / fa if fa else None,
+                    mcnemar_p=mcnemar_exact(b, c),
+                    identical_to_full=sum(a["completion"] == x["completion"] for a, x in pairs) / len(pairs),
+                    device_kv_vs_full=(sum(x["tier_bytes"]["T0"] for _, x in pairs) / max(1, sum(a["tier_bytes"]["T0"] for a, _ in pairs))),
+                )
+        rows.append(row)
+    rows.sort(key=lambda x: (x["benchmark"], x["policy"] != "full", x["policy"], x["evict_ratio"] or 0, x["hbm_ratio"] or 0))
+    return {"configs": rows, "hbm_independence": hbm_independence(by_cfg)}
+
+
+def hbm_independence(by_cfg: dict[str, list[dict]]) -> list[dict]:
+    """For tiered runs that differ only in hbm_ratio: Cochran's Q across the ratios, and whether outputs are identical."""
+    groups: dict[tuple, dict[float, list[dict]]] = defaultdict(dict)
+    for recs in by_cfg.values():
+        r0 = recs[0]
+        if r0["policy"] != "tiered" or "hbm_ratio" not in r0["params"]:
+            continue
+        rest = tuple(sorted((k, v) for k, v in r0["params"].items() if k != "hbm_ratio"))
+        groups[(_base(r0), rest)][r0["params"]["hbm_ratio"]] = recs
+    out = []
+    for (base, rest), by_h in groups.items():
+        if len(by_h) < 2:
+            continue
+        hs = sorted(by_h)
+        maps = [{(r["id"], r["sample"]): r for r in by_h[h]} for h in hs]
+        common = sorted(set.intersection(*(set(m) for m in maps)))
+        table = [[int(m[i]["correct"]) for m in maps] for i in common]
+        q, p = cochran_q(table)
+        identical = all(len({m[i]["completion"] for m in maps}) == 1 for i in common)
+        out.append({"benchmark": base[0], "params": dict(rest), "hbm_ratios": hs, "n": len(common),
+                    "accuracies": [sum(t[j] for t in table) / max(1, len(table)) for j in range(len(hs))],
+                    "cochran_q": q, "p_value": p, "identical_outputs": identical})
+    return out
+
+
+def _fmt(x, pct=False):
+    if x is None:
+        return "–"
+    if isinstance(x, float):
+        return f"{100 * x:.1f}%" if pct else f"{x:.3g}"
+    return str(x)
+
+
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
+    """Write summary.md, summary.csv, summary.json and PNG plots; returns their paths."""
+    run_dir = Path(run_dir)
+    records = read_records(run_dir)
+    if not records:
+        raise ValueError(f"no records in {run_dir / 'records.jsonl'}; run `kvtier eval` or `kvtier sweep` with --out {run_dir}")
+    out = Path(out_dir) if out_dir else run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    s = summarize(records)
+    rows = s["configs"]
+    paths = {"json": out / "summary.json", "csv": out / "summary.csv", "md": out / "summary.md"}
+    paths["json"].write_text(json.dumps(s, indent=2))
+    cols = ["benchmark", "policy", "evict_ratio", "hbm_ratio", "n", "accuracy", "ci_low", "ci_high", "retention",
+            "mcnemar_p", "identical_to_full", "mean_device_kv_bytes", "device_kv_vs_full", "mean_generated_tokens", "params"]
+    with open(paths["csv"], "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(cols)
+        for r in rows:
+            w.writerow([json.dumps(r.get(c)) if c == "params" else r.get(c) for c in cols])
+    lines = ["# kvtier evaluation", "", f"{len(records)} records from `{run_dir}`.", "",
+             "| benchmark | policy | evict | hbm | n | accuracy (95% CI) | retention | McNemar p vs full | identical to full | device KV vs full |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['benchmark']} | {r['policy']} | {_fmt(r['evict_ratio'])} | {_fmt(r['hbm_ratio'])} | {r['n']} | "
+            f"{100 * r['accuracy']:.1f}% ({100 * r['ci_low']:.1f}–{100 * r['ci_high']:.1f}) | {_fmt(r.get('retention'), True)} | "
+            f"{_fmt(r.get('mcnemar_p'))} | {_fmt(r.get('identical_to_full'), True)} | {_fmt(r.get('device_kv_vs_full'), True)} |"
+        )
+    if s["hbm_independence"]:
+        lines += ["", "## Does accuracy depend on the HBM ratio? (tiered, fixed eviction)", "",
+                  "| benchmark | fixed params | hbm ratios | accuracies | Cochran's Q | p | identical outputs |", "|---|---|---|---|---|---|---|"]
+        for h in s["hbm_independence"]:
+            lines.append(f"| {h['benchmark']} | {h['params']} | {h['hbm_ratios']} | {[round(a, 3) for a in h['accuracies']]} | "
+                         f"{h['cochran_q']:.3g} | {h['p_value']:.3g} | {'yes' if h['identical_outputs'] else 'no'} |")
+    paths["md"].write_text("\n".join(lines) + "\n")
+    paths.update(plot_all(rows, out))
+    return paths
+
+
+def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = {}
+    for bench in sorted({r["benchmark"] for r in rows}):
+        br = [r for r in rows if r["benchmark"] == bench]
+        # 1. accuracy vs eviction ratio per policy: the cliff vs the knob
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for pol in sorted({r["policy"] for r in br}):
+            pts = sorted({(r["evict_ratio"], r["accuracy"]) for r in br if r["policy"] == pol and r["evict_ratio"] is not None
+                          and (pol != "tiered" or r["hbm_ratio"] == min(x["hbm_ratio"] for x in br if x["policy"] == "tiered"))})
+            if pts:
+                style = dict(marker="*", markersize=12, linestyle="none") if pol == "full" else dict(marker="o")
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], label=pol, **style)
+        ax.set(xlabel="eviction ratio (fraction of tokens destroyed)", ylabel="accuracy (%)",
+               title=f"{bench}: accuracy vs eviction ratio")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        p = out / f"{bench}_accuracy_vs_eviction.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths[f"{bench}_eviction"] = p
+        # 2. tiered HBM x eviction heatmap
+        tr = [r for r in br if r["policy"] == "tiered" and r["hbm_ratio"] is not None]
+        if tr:
+            hs = sorted({r["hbm_ratio"] for r in tr})
+            es = sorted({r["evict_ratio"] for r in tr})
+            grid = [[next((100 * r["accuracy"] for r in tr if r["hbm_ratio"] == h and r["evict_ratio"] == e), float("nan")) for h in hs] for e in es]
+            fig, ax = plt.subplots(figsize=(1.6 + 1.1 * len(hs), 1.4 + 0.8 * len(es)))
+            im = ax.imshow(grid, cmap="viridis", aspect="auto", origin="lower")
+            ax.set_xticks(range(len(hs)), [str(h) for h in hs])
+            ax.set_yticks(range(len(es)), [str(e) for e in es])
+            for i in range(len(es)):
+                for j in range(len(hs)):
+                    ax.text(j, i, f"{grid[i][j]:.1f}", ha="center", va="center", color="w")
+            ax.set(xlabel="HBM ratio (T0)", ylabel="eviction ratio (T3)", title=f"{bench}: tiered accuracy (%)")
+            fig.colorbar(im, ax=ax)
+            p = out / f"{bench}_hbm_evict_heatmap.png"
+            fig.tight_layout()
+            fig.savefig(p, dpi=110)
+            plt.close(fig)
+            paths[f"{bench}_heatmap"] = p
+        # 3. device KV memory vs accuracy
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for pol in sorted({r["policy"] for r in br}):
+            pr = [r for r in br if r["policy"] == pol]
+            ax.scatter([r["mean_device_kv_bytes"] / 2**20 for r in pr], [100 * r["accuracy"] for r in pr], label=pol)
+        ax.set(xlabel="device KV per sequence at the end (MiB)", ylabel="accuracy (%)", title=f"{bench}: device memory vs accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        p = out / f"{bench}_memory_vs_accuracy.png"
+        fig.tight_layout()
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths[f"{bench}_memory"] = p
+    return paths
