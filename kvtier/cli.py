@@ -155,18 +155,24 @@ def eval_cmd(
     """Evaluate one configuration; resumable (rerun the same command to continue)."""
 
     def go():
+        import kvtier
         from .eval.report import write_report
-        from .eval.runner import EvalConfig, run_eval
+        from .eval.runner import EvalConfig, load_all, run_eval
+
+        if batch_size < 1:
+            raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
 
         params = {**_policy_params(policy, hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
                                    budget_ratio=budget_ratio), **_parse_params(param)}
         cfg = EvalConfig(model=model, benchmark=benchmark, policy=policy, params=params, limit=limit,
                          max_new_tokens=max_new_tokens or _default_max_new(device), temperature=temperature,
                          top_p=top_p, samples=samples, seed=seed)
+        problems = load_all([cfg], data_dir)
+        loaded = kvtier.load_model(model, device=device, dtype=dtype)
         with _progress() as progress:
             task = progress.add_task(f"{benchmark} {policy}", total=None, rate="")
-            run_eval([cfg], out, data_dir=data_dir, batch_size=batch_size, device=device, dtype=dtype,
-                     on_progress=_eval_progress_cb(progress, task))
+            run_eval([cfg], out, batch_size=batch_size, on_progress=_eval_progress_cb(progress, task),
+                     loaded=loaded, problems=problems)
         paths = write_report(out)
         console.print(paths["md"].read_text())
 
@@ -197,8 +203,9 @@ def sweep(
     """Run a grid of policies x ratios x benchmarks into one resumable run directory."""
 
     def go():
+        import kvtier
         from .eval.report import write_report
-        from .eval.runner import run_eval
+        from .eval.runner import load_all, run_eval
         from .eval.sweep import expand_grid, load_config_file
 
         file = load_config_file(config) if config else {}
@@ -218,11 +225,15 @@ def sweep(
             samples=file.get("samples", samples),
             seed=file.get("seed", seed),
         )
+        if batch_size < 1:
+            raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
+        problems = load_all(cfgs, file.get("data_dir", data_dir))
+        loaded = kvtier.load_model(cfgs[0].model, device=device, dtype=dtype)
         console.print(f"{len(cfgs)} configurations")
         with _progress() as progress:
             task = progress.add_task("sweep", total=None, rate="")
-            run_eval(cfgs, out, data_dir=file.get("data_dir", data_dir), batch_size=batch_size, device=device,
-                     dtype=dtype, on_progress=_eval_progress_cb(progress, task))
+            run_eval(cfgs, out, batch_size=batch_size, on_progress=_eval_progress_cb(progress, task),
+                     loaded=loaded, problems=problems)
         paths = write_report(out)
         console.print(paths["md"].read_text())
 
@@ -260,12 +271,14 @@ def demo(
     """Offline demo: full vs tiered (hbm 0.3, evict 0.03) vs evict (0.5) on the embedded model."""
 
     def go():
+        import kvtier
         from .eval.demo import run_demo
 
+        loaded = kvtier.load_model(model, device=device, dtype=dtype)
         with _progress() as progress:
             task = progress.add_task("demo", total=None, rate="")
             rows = run_demo(model, problems, max_new_tokens, batch_size, out, device, dtype,
-                            on_progress=_eval_progress_cb(progress, task))
+                            on_progress=_eval_progress_cb(progress, task), loaded=loaded)
         t = Table(title=f"kvtier demo: {model}, {problems} rg:gsm_symbolic problems, greedy, {max_new_tokens} new tokens max")
         for col in ("policy", "accuracy", "gen tokens", "device KV MiB (vs full)", "moved MiB", "streamed MiB", "tok/s",
                     "same text / answer as full"):
@@ -293,6 +306,7 @@ def bench(
     hbm_ratio: str = typer.Option("0.3,0.5,0.7"),
     evict_ratio: str = typer.Option("0.03"),
     retier_interval: int = typer.Option(64),
+    recent_window: int = typer.Option(128, help="tiered: protected recent tokens (the prompt is not protected here: it stands for earlier thoughts)"),
     repeats: int = typer.Option(3),
     stock: bool = typer.Option(True, help="also time stock transformers (SDPA + DynamicCache)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
@@ -314,7 +328,8 @@ def bench(
             policies=tuple(p.strip() for p in policy.split(",") if p.strip()),
             hbm_ratios=tuple(_floats(hbm_ratio, "--hbm-ratio")),
             evict_ratios=tuple(_floats(evict_ratio, "--evict-ratio")),
-            retier_interval=retier_interval, repeats=repeats, stock=stock, device=device, dtype=dtype,
+            retier_interval=retier_interval, recent_window=recent_window, repeats=repeats, stock=stock, device=device,
+            dtype=dtype,
         )
         with console.status("benchmarking") as status:
             res = run_bench(cfg, on_progress=lambda m: status.update(m))
@@ -344,7 +359,8 @@ def print_bench(res: dict) -> None:
                   f"{r['h2d_bytes_per_step'] / mib:.2f}" if "h2d_bytes_per_step" in r else "–",
                   f"{r['peak_device_bytes'] / mib:.0f}" if r.get("peak_device_bytes") else "–",
                   f"{kv['T0'] / mib:.1f}/{kv['T1'] / mib:.1f}/{kv['T2'] / mib:.1f}")
-    console.print(t)
+    # A wide table: keep it whole when the output goes to a file or a log rather than a terminal.
+    (console if console.is_terminal else Console(width=220)).print(t)
 
 
 @app.command()

@@ -120,7 +120,9 @@ class TransferEngine:
     def _buffer(self, store: dict, name: str, like: torch.Tensor) -> torch.Tensor:
         buf = store.get(name)
         if buf is None or buf.numel() < like.numel() or buf.dtype != like.dtype:
-            buf = torch.empty(max(like.numel(), 1), dtype=like.dtype, device=self.device)
+            # Geometric headroom: host tiers grow a little at every reassignment, buffers should not follow suit.
+            old = buf.numel() if buf is not None and buf.dtype == like.dtype else 0
+            buf = torch.empty(max(like.numel(), old + old // 2, 1), dtype=like.dtype, device=self.device)
             store[name] = buf
             self.allocations += 1
         return buf[: like.numel()].view(like.shape)

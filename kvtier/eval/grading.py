@@ -28,7 +28,8 @@ def extract_boxed(text: str) -> str | None:
 def _to_number(s: str) -> Fraction | None:
     """Parse '1,234', '$5', '12 apples', '3/4', '\\frac{3}{4}', '\\dfrac34', '50%', '-2.5' into an exact number."""
     s = s.strip()
-    s = re.sub(r"\\text\{[^}]*\}|\\mathrm\{[^}]*\}|\\!|\\,|\\\$|\$|\\%|%|\\left|\\right", "", s)
+    s = re.sub(r"\\(?:text|mathrm|textbf)\{([^}]*)\}", r"\1", s)
+    s = re.sub(r"\\!|\\,|\\\$|\$|\\%|%|\\left|\\right", "", s)
     s = s.replace("dfrac", "frac").replace("tfrac", "frac")
     m = re.fullmatch(r"\s*(-?)\\frac\s*\{?\s*(-?\d+)\s*\}?\s*\{?\s*(\d+)\s*\}?\s*", s)
     if m:

@@ -98,6 +98,16 @@ def _row_stats(cache, row: int) -> dict:
     }
 
 
+def load_all(cfgs: list[EvalConfig], data_dir: str | Path | None = None) -> dict[str, list[Problem]]:
+    """The problems of every benchmark the configurations need (each read once)."""
+    problems: dict[str, list[Problem]] = {}
+    for c in cfgs:
+        if c.benchmark not in problems:
+            lims = [x.limit for x in cfgs if x.benchmark == c.benchmark]
+            problems[c.benchmark] = load_problems(c.benchmark, data_dir, None if None in lims else max(lims), c.seed)
+    return problems
+
+
 def run_eval(
     cfgs: Iterable[EvalConfig],
     out_dir: str | Path,
@@ -107,18 +117,20 @@ def run_eval(
     dtype: str = "auto",
     on_progress: Callable[[dict], None] | None = None,
     loaded: tuple | None = None,
+    problems: dict[str, list[Problem]] | None = None,
 ) -> Path:
-    """Evaluate every configuration; returns the records path. Configurations share one loaded model."""
+    """Evaluate every configuration; returns the records path. Configurations share one loaded model.
+
+    ``problems`` (from :func:`load_all`) and ``loaded`` (model, tokenizer) may be prepared by the caller, so that
+    every input error surfaces before anything starts.
+    """
     import kvtier
 
     cfgs = list(cfgs)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
-    problems: dict[str, list[Problem]] = {}
-    for c in cfgs:  # every input error surfaces before anything is written
-        if c.benchmark not in problems:
-            lims = [x.limit for x in cfgs if x.benchmark == c.benchmark]
-            problems[c.benchmark] = load_problems(c.benchmark, data_dir, None if None in lims else max(lims), c.seed)
+    if problems is None:
+        problems = load_all(cfgs, data_dir)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / RECORDS

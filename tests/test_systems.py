@@ -1,0 +1,144 @@
+"""Transfer engine, `kvtier bench` (schema, not speed) and `kvtier plan` (hand-computed numbers)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import kvtier
+from conftest import decode_loop, prompt_ids
+from kvtier.cli import app
+from kvtier.plan import plan
+from kvtier.transfer import TransferEngine
+
+runner = CliRunner()
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def test_staging_and_work_buffers_are_reused(qwen2):
+    cache = kvtier.make_cache("tiered", qwen2, hbm_ratio=0.2, evict_ratio=0.05, retier_interval=8, recent_window=4,
+                              protect_prompt=False)
+    seen = []
+
+    def on_step(step, c):
+        eng = c.state.engine
+        seen.append((eng.allocations, eng.staging_bytes()))
+
+    decode_loop(qwen2, cache, prompt_ids(batch=2, length=8), steps=200, on_step=on_step)
+    allocs = [a for a, _ in seen]
+    # buffers grow geometrically with T1 and in 256-column granules with the sequence: a handful of growth
+    # events over 200 steps, never one per step
+    grew = sum(b > a for a, b in zip(allocs, allocs[1:]))
+    assert grew <= 15, allocs[::10]
+    assert allocs[-1] - allocs[100] <= 8
+    st = cache.stats()
+    assert st["tokens"]["T1"] > 0
+    # staging holds at most two layers of host tiers plus one layer's working K/V
+    per_layer_kv = st["bytes_per_token"]["T0"] // qwen2.config.num_hidden_layers
+    assert st["allocated_bytes"]["staging"] <= 4 * (st["logical_tokens"] + 256 * 2) * per_layer_kv
+
+
+def test_counters_equal_tokens_moved_times_bytes_per_token():
+    eng = TransferEngine(torch.device("cpu"))
+    x = torch.randn(2, 10, 8)  # (H, tokens, D) float32
+    y = eng.to_host(x)
+    z = eng.to_device(y[:, :3])
+    assert torch.equal(y, x) and torch.equal(z, x[:, :3])
+    assert eng.counters.migration_d2h_bytes == 2 * 10 * 8 * 4
+    assert eng.counters.migration_h2d_bytes == 2 * 3 * 8 * 4
+    got = eng.take(0, ("layer", 1), {"k": x, "v": x[:, :5]})
+    assert torch.equal(got["k"], x) and torch.equal(got["v"], x[:, :5])
+    assert eng.counters.stream_h2d_bytes == (10 + 5) * 2 * 8 * 4
+    eng.release(0)
+    before = eng.allocations
+    eng.take(0, ("layer", 2), {"k": x[:, :7], "v": x[:, :2]})  # smaller: reuses the same buffers
+    assert eng.allocations == before
+    assert eng.counters.seconds >= 0 and eng.counters.copies == 6
+
+
+def test_prefetched_slot_is_used_once():
+    eng = TransferEngine(torch.device("cpu"))
+    x = torch.randn(2, 4, 8)
+    eng.stage(1, ("L3", 7), {"k": x})
+    n = eng.counters.stream_h2d_bytes
+    eng.take(1, ("L3", 7), {"k": x})  # the prefetch matches: no second copy
+    assert eng.counters.stream_h2d_bytes == n
+    eng.release(1)
+    eng.take(1, ("L3", 7), {"k": x})  # released: staged again
+    assert eng.counters.stream_h2d_bytes == 2 * n
+
+
+@cuda
+def test_cuda_tiered_matches_full_bitwise():
+    from kvtier.models import random_model
+
+    model = random_model("tiny-qwen2", device="cuda", dtype=torch.float32)
+    ids = prompt_ids(length=16).cuda()
+    outs = []
+    for policy, params in (("full", {}), ("tiered", dict(hbm_ratio=0.1, evict_ratio=0.0, retier_interval=8, recent_window=4))):
+        cache = kvtier.make_cache(policy, model, **params)
+        o = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=96, min_new_tokens=96,
+                           do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        outs.append(torch.stack(o.logits))
+        if policy == "tiered":
+            s = cache.stats()
+            assert s["tokens"]["T1"] > 0 and s["transfer"]["stream_h2d_bytes"] > 0 and s["transfer"]["seconds"] > 0
+            assert cache.layers[0].k1.is_pinned()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_bench_cpu_json_schema(tmp_path):
+    out = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "32", "--new-tokens", "4",
+                              "--batch", "1,2", "--hbm-ratio", "0.3,0.5", "--evict-ratio", "0.03", "--repeats", "1", "--recent-window", "8",
+                              "--device", "cpu", "--dtype", "fp32", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "kvtier bench" in res.output and "tiered" in res.output
+    data = json.loads(out.read_text())
+    assert {"date", "device", "torch", "transformers", "config", "memcpy_peak_gbps", "results", "warmup_steps"} <= set(data)
+    rows = data["results"]
+    assert [(r["batch"], r["policy"]) for r in rows] == [(b, p) for b in (1, 2) for p in ("stock_sdpa", "full", "tiered", "tiered")]
+    common = {"batch", "policy", "params", "decode_tok_s", "ms_per_step", "ratio_to_full", "ratio_to_stock",
+              "peak_device_bytes", "kv_bytes", "allocated_bytes", "seconds_repeats"}
+    for r in rows:
+        assert common <= set(r)
+        assert r["decode_tok_s"] > 0 and set(r["kv_bytes"]) == {"T0", "T1", "T2"}
+    for r in rows:
+        if r["policy"] == "tiered":
+            assert {"transfer_seconds", "transfer_share", "h2d_gbps", "h2d_fraction_of_peak", "h2d_bytes_per_step",
+                    "migration_bytes_per_step", "tokens", "retiers"} <= set(r)
+            assert r["h2d_bytes_per_step"] > 0 and r["retiers"] >= 1
+    assert [r["ratio_to_full"] for r in rows if r["policy"] == "full"] == [1.0, 1.0]
+
+
+def test_plan_matches_hand_computed_values():
+    p = plan("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", batch=8, seq_len=32768, hbm_ratio=0.3, evict_ratio=0.03)
+    assert p["kv_bytes_per_token"] == 28 * 4 * 128 * 2 * 2 == 57_344
+    assert p["int8_bytes_per_token"] == 28 * 4 * (128 + 4) * 2
+    n3, n0 = 983, 9830  # floor(0.03 * 32768), floor(0.3 * 32768)
+    assert p["tokens_per_seq"] == {"T0": n0, "T1": 32768 - n0 - n3, "T2": 0, "T3": n3}
+    assert p["bytes_per_batch"]["T0"] == 8 * n0 * 57_344
+    assert p["device_bytes_saved"] == 8 * (32768 - n0) * 57_344
+    assert p["pcie_bytes_per_step"] == 8 * (32768 - n0 - n3) * 57_344
+    assert abs(p["step_floor_ms"]["pcie"] - p["pcie_bytes_per_step"] / 50e9 * 1e3) < 1e-9
+    assert plan("meta-llama/Meta-Llama-3-70B", 1, 1)["kv_bytes_per_token"] == 327_680
+    assert plan("random:qwen2-7b", 1, 100, dtype="fp32")["kv_bytes_per_token"] == 2 * 57_344
+    q = plan("random:qwen2-7b", 2, 1000, hbm_ratio=0.2, evict_ratio=0.1, quant_ratio=0.3)
+    assert q["tokens_per_seq"] == {"T0": 200, "T1": 400, "T2": 300, "T3": 100}
+    assert q["bytes_per_seq"]["T2"] == 300 * 28 * 4 * 132 * 2
+    prot = plan("random:qwen2-7b", 1, 1000, hbm_ratio=0.1, protected_tokens=300)
+    assert prot["tokens_per_seq"]["T0"] == 300
+
+
+def test_plan_reads_a_config_json(tmp_path):
+    cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256,
+           "intermediate_size": 512, "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert plan(str(tmp_path), 1, 10)["kv_bytes_per_token"] == 2 * 2 * 32 * 2 * 2
+    res = runner.invoke(app, ["plan", "--model", "org/unknown-model"])
+    assert res.exit_code == 2 and "config.json" in res.output
+    res = runner.invoke(app, ["plan", "--model", "random:qwen2-7b", "--json"])
+    assert res.exit_code == 0 and json.loads(res.output)["kv_bytes_per_token"] == 57_344
