@@ -261,7 +261,8 @@ def report(run_dir: Path = typer.Argument(..., help="a directory written by eval
 @app.command()
 def demo(
     model: str = typer.Option(EMBEDDED, help=MODEL_HELP),
-    problems: int = typer.Option(8, help="fresh rg:gsm_symbolic problems (fixed seed)"),
+    problems: int = typer.Option(8, help="fresh problems from --benchmark (fixed seed)"),
+    benchmark: str = typer.Option("rg:gsm_symbolic", help="any benchmark eval takes; rg:<task> needs no data"),
     max_new_tokens: int = typer.Option(384),
     batch_size: int = typer.Option(8),
     out: Path = typer.Option(Path("runs/demo")),
@@ -278,18 +279,18 @@ def demo(
         with _progress() as progress:
             task = progress.add_task("demo", total=None, rate="")
             rows = run_demo(model, problems, max_new_tokens, batch_size, out, device, dtype,
-                            on_progress=_eval_progress_cb(progress, task), loaded=loaded)
-        t = Table(title=f"kvtier demo: {model}, {problems} rg:gsm_symbolic problems, greedy, {max_new_tokens} new tokens max")
+                            on_progress=_eval_progress_cb(progress, task), loaded=loaded, benchmark=benchmark)
+        t = Table(title=f"kvtier demo: {model}, {problems} {benchmark} problems, greedy, {max_new_tokens} new tokens max")
         for col in ("policy", "accuracy", "gen tokens", "device KV MiB (vs full)", "moved MiB", "streamed MiB", "tok/s",
                     "same text / answer as full"):
             t.add_column(col)
         for r in rows:
             vs = f" ({100 * r['device_kv_vs_full']:.0f}%)" if r["device_kv_vs_full"] is not None else ""
-            params = ", ".join(f"{k}={v}" for k, v in r["params"].items())
-            t.add_row(f"{r['policy']} {params}".strip(), f"{100 * r['accuracy']:.0f}%", str(r["generated_tokens"]),
+            params = ", ".join(f"{k.removesuffix('_ratio')} {v}" for k, v in r["params"].items())
+            t.add_row(f"{r['policy']} ({params})" if params else r["policy"], f"{100 * r['accuracy']:.0f}%", str(r["generated_tokens"]),
                       f"{r['device_kv_mib']:.1f}{vs}", f"{r['moved_mib']:.1f}", f"{r['streamed_mib']:.0f}",
                       f"{r['tok_s']:.1f}", f"{r['identical_completions']}/{r['problems']} / {r['identical_answers']}/{r['problems']}")
-        console.print(t)
+        (console if console.is_terminal else Console(width=200)).print(t)
         console.print(f"records: {out / 'records.jsonl'} (rerun to resume; `kvtier report {out}` for plots)")
 
     _run(go)

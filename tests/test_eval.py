@@ -138,3 +138,14 @@ def test_sampling_records_each_sample(tmp_path):
     assert res.exit_code == 0, res.output
     recs = _records(out)
     assert sorted((r["id"], r["sample"]) for r in recs) == sorted((f"rg-gsm_symbolic-0-{i}", s) for i in range(2) for s in range(2))
+
+
+def test_demo_table_on_a_tiny_model(tmp_path):
+    res = runner.invoke(app, ["demo", *TINY, "--problems", "2", "--max-new-tokens", "70", "--batch-size", "2",
+                              "--out", str(tmp_path / "demo")])
+    assert res.exit_code == 0, res.output
+    from kvtier.eval.demo import DEMO_CONFIGS
+
+    recs = _records(tmp_path / "demo")
+    assert len(recs) == 2 * len(DEMO_CONFIGS)
+    assert "tiered (hbm 0.3, evict 0.03)" in res.output and "same text / answer as full" in res.output

@@ -17,8 +17,9 @@ DEMO_CONFIGS = [
 
 def run_demo(model: str = EMBEDDED_NAME, problems: int = 8, max_new_tokens: int = 384, batch_size: int = 8,
              out: str | Path = "runs/demo", device: str = "auto", dtype: str = "auto",
-             on_progress: Callable[[dict], None] | None = None, loaded=None) -> list[dict]:
-    cfgs = [EvalConfig(model=model, benchmark="rg:gsm_symbolic", policy=p, params=dict(q), limit=problems,
+             on_progress: Callable[[dict], None] | None = None, loaded=None,
+             benchmark: str = "rg:gsm_symbolic") -> list[dict]:
+    cfgs = [EvalConfig(model=model, benchmark=benchmark, policy=p, params=dict(q), limit=problems,
                        max_new_tokens=max_new_tokens) for p, q in DEMO_CONFIGS]
     run_eval(cfgs, out, batch_size=batch_size, device=device, dtype=dtype, on_progress=on_progress, loaded=loaded)
     return demo_table(read_records(out), cfgs)
