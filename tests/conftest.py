@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -8,7 +9,21 @@ import torch
 import kvtier
 from kvtier.models import random_model
 
-DATA_DIR = Path(__file__).resolve().parents[2] / "shared" / "data"
+def _find_data_dir() -> Path:
+    """The shared benchmark data (never copied into the repo): $KVTIER_DATA_DIR, else a `shared/data` beside
+    the checkout or any folder above it."""
+    env = os.environ.get("KVTIER_DATA_DIR")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[1]
+    # beside the checkout or above it; last, this workplace's shared folder (CI clones elsewhere)
+    for cand in [p / "shared" / "data" for p in repo.parents] + [Path("/work/shared/data")]:
+        if (cand / "gsm8k" / "test.jsonl").is_file():
+            return cand
+    return repo.parent / "shared" / "data"
+
+
+DATA_DIR = _find_data_dir()
 
 
 @pytest.fixture(scope="session")
