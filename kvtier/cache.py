@@ -53,7 +53,9 @@ class TierState:
         self.engine: TransferEngine | None = None
         self.n_total = 0
         self.cap = 0
-        self.valid = self.prompt = self.loc_tier = self.loc_idx = self.scores = None
+        self.valid = self.prompt = self.loc_tier = self.loc_idx = self.scores = self.valid_dev = None
+        self._lay_dev_key = None
+        self._lay_dev = None
         self.layout: Layout | None = None
         self.version = 0
         self.decode_steps = 0
@@ -92,9 +94,11 @@ class TierState:
         self.loc_tier = grown(self.loc_tier, PAD, torch.int8)
         self.loc_idx = grown(self.loc_idx, 0, torch.long)
         scores = torch.zeros(B, cap + 1, dtype=torch.float32, device=self.device)  # last column: trash
+        valid_dev = torch.zeros(B, cap, dtype=torch.bool, device=self.device)  # device mirror: no host sync per step
         if self.scores is not None:
             scores[:, :old] = self.scores[:, :old]
-        self.scores = scores
+            valid_dev[:, :old] = self.valid_dev[:, :old]
+        self.scores, self.valid_dev = scores, valid_dev
         self.cap = cap
 
     def begin_update(self, k: torch.Tensor) -> None:
@@ -121,7 +125,8 @@ class TierState:
         self._grow(self.n_total + q)
         start = self.n_total
         self.n_total += q
-        self.valid[:, start : self.n_total] = True  # refined by note_validity once the mask is seen
+        self.valid[:, start : self.n_total] = True  # refined by note_validity once the prompt's mask is seen
+        self.valid_dev[:, start : self.n_total] = True
         self.loc_tier[:, start : self.n_total] = TAIL
         self.loc_idx[:, start : self.n_total] = torch.arange(start - self.layout.n_main, self.n_total - self.layout.n_main)
         if not is_decode:
@@ -134,14 +139,19 @@ class TierState:
         self.peak_device_tokens = max(self.peak_device_tokens, n)
 
     def note_validity(self, attention_mask: torch.Tensor | None, q: int) -> None:
-        """Read which of the q new positions are padding from the mask's diagonal (B, 1, q, kv)."""
-        if attention_mask is None or attention_mask.dim() != 4:
+        """Read which of the prompt's positions are padding from the mask's diagonal (B, 1, q, kv).
+
+        Only the prompt can hold padding (``generate`` appends real tokens), so decode steps skip this and never
+        wait for the device.
+        """
+        if attention_mask is None or attention_mask.dim() != 4 or self.n_total != q:
             return
         start = self.n_total - q
         i = torch.arange(q, device=attention_mask.device)
         diag = attention_mask[:, 0, i, start + i] if attention_mask.shape[-1] >= self.n_total else attention_mask[:, 0, i, i]
         if diag.dtype != torch.bool:
             diag = diag == 0  # additive float mask: 0 where attended
+        self.valid_dev[:, start : self.n_total] = diag.to(self.device)
         self.valid[:, start : self.n_total] = diag.cpu()
         self._step_key = None
 
@@ -176,12 +186,17 @@ class TierState:
         t = self.n_total - lay.n_main
         K = lay.k_main + t
         cap = _roundup(K + 1, _WORK_ALIGN)
-        valid = torch.cat([lay.work_valid, self.valid[:, lay.n_main : self.n_total]], dim=1)
-        trash = self.cap  # the scores' last column
-        pos = torch.cat(
-            [torch.where(lay.work_pos >= 0, lay.work_pos, trash), torch.arange(lay.n_main, self.n_total).expand(self.batch, t)],
-            dim=1,
-        )
+        if self._lay_dev_key != (self.version, self.cap):
+            trash = self.cap  # the scores' last column: weights of empty columns (exactly 0) land there
+            self._lay_dev = (
+                lay.work_valid.to(self.device),
+                torch.where(lay.work_pos >= 0, lay.work_pos, trash).to(self.device),
+            )
+            self._lay_dev_key = (self.version, self.cap)
+        work_valid, work_pos = self._lay_dev
+        valid = torch.cat([work_valid, self.valid_dev[:, lay.n_main : self.n_total]], dim=1)
+        tail_pos = torch.arange(lay.n_main, self.n_total, device=self.device).expand(self.batch, t)
+        pos = torch.cat([work_pos, tail_pos], dim=1)
         if self._dest_key != (self.version, cap):
             self._dest = {x: dest_rows(lay.tiers[x], self.n_heads, cap).to(self.device) for x in (T0, T1, T2)}
             self._dest_key = (self.version, cap)
@@ -190,8 +205,8 @@ class TierState:
             "k_main": lay.k_main,
             "t": t,
             "cap": cap,
-            "mask": valid.to(self.device).view(self.batch, 1, 1, K),
-            "score_pos": pos.to(self.device),
+            "mask": valid.view(self.batch, 1, 1, K),
+            "score_pos": pos,
             "dest": self._dest,
         }
         self._step_key = key

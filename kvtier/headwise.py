@@ -90,6 +90,9 @@ class HeadwiseState:
         self.peak_tokens = 0
         self.dtype = None
         self.n_heads = self.head_dim = None
+        # Host-side counts, kept by arithmetic so that a decode step never waits for the device.
+        self.n_real: torch.Tensor | None = None  # (B,) real positions per row
+        self.n_prompt: torch.Tensor | None = None  # (B,) real prompt positions per row
 
     def begin_update(self, k: torch.Tensor) -> None:
         q = k.shape[2]
@@ -117,10 +120,15 @@ class HeadwiseState:
         self.valid[:, self.n_total : need] = True
         if self.n_total == 0:
             self.prompt[:, :need] = True
+            self.n_real = torch.full((self.batch,), q, dtype=torch.long)
+            self.n_prompt = self.n_real.clone()
+        else:
+            self.n_real += q
         self.n_total = need
 
     def note_validity(self, attention_mask: torch.Tensor | None, q: int) -> None:
-        if attention_mask is None or attention_mask.dim() != 4:
+        """Padding of the prompt, from the mask's diagonal (only the prompt holds padding)."""
+        if attention_mask is None or attention_mask.dim() != 4 or self.n_total != q:
             return
         start = self.n_total - q
         i = torch.arange(q, device=attention_mask.device)
@@ -129,11 +137,12 @@ class HeadwiseState:
             diag = diag == 0
         self.valid[:, start : self.n_total] = diag.to(self.device)
         self.prompt[:, start : self.n_total] &= self.valid[:, start : self.n_total]
+        self.n_real = diag.sum(-1).cpu().long()  # one wait, at prefill
+        self.n_prompt = self.n_real.clone()
 
     def budgets(self) -> torch.Tensor:
         """(B,) long per-row budgets from the rows' real lengths."""
-        n_real = self.valid[:, : self.n_total].sum(1).cpu()
-        return self.budget.per_row(n_real)
+        return self.budget.per_row(self.n_real)
 
 
 class HeadwiseLayer(CacheLayerMixin):
@@ -152,6 +161,7 @@ class HeadwiseLayer(CacheLayerMixin):
         self.slots: dict[str, torch.Tensor] = {}
         self.aux: dict[str, Any] = {}
         self.S = 0
+        self.counts: torch.Tensor | None = None  # (B,) kept real tokens per row, tracked on the host
         self.is_initialized = False
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -226,7 +236,7 @@ class HeadwiseLayer(CacheLayerMixin):
         return torch.gather(st.valid, 1, idx).view_as(p)
 
     def kept_counts(self) -> torch.Tensor:
-        """(B,) real tokens kept per row (the same for every head)."""
+        """(B,) real tokens kept per row (the same for every head), read from the device (reference for tests)."""
         return self.slot_valid()[:, 0].sum(-1).cpu()
 
     # ---- attention ---------------------------------------------------------------------------
@@ -249,11 +259,15 @@ class HeadwiseLayer(CacheLayerMixin):
             p = torch.softmax(s, dim=-1, dtype=torch.float32)
             out = torch.matmul(p.to(v.dtype), v).reshape(B, Hq, 1, D)
             st.scorer.after_decode(self, query, p, scaling)
-        counts, budgets = self.kept_counts(), self.effective_budgets()
+        # Every row gained its q new real tokens (the prompt: its real length), and compression keeps exactly
+        # min(kept, budget) per row, so the counts follow by arithmetic.
+        self.counts = st.n_real.clone() if q > 1 or self.counts is None else self.counts + q
+        budgets = self.effective_budgets()
         if self.layer_idx == 0:
-            st.peak_tokens = max(st.peak_tokens, int(counts.sum()))
-        if st.scorer.should_compress(self, counts, budgets):
+            st.peak_tokens = max(st.peak_tokens, int(self.counts.sum()))
+        if st.scorer.should_compress(self, self.counts, budgets):
             self.compress(budgets, scaling)
+            self.counts = torch.minimum(self.counts, budgets)
         return out.transpose(1, 2).contiguous(), None
 
     def protected(self) -> torch.Tensor:
@@ -269,7 +283,7 @@ class HeadwiseLayer(CacheLayerMixin):
         """Per-row budgets, raised to the protected count when the prompt is protected."""
         b = self.state.budgets()
         if self.state.protect_prompt:
-            b = torch.maximum(b, self.state.prompt[:, : self.state.n_total].sum(1).cpu())
+            b = torch.maximum(b, self.state.n_prompt)
         return b
 
     def compress(self, budgets: torch.Tensor, scaling: float) -> None:
@@ -325,8 +339,8 @@ class HeadwiseCache(Cache):
             return {"policy": st.policy, "tokens": {"T0": 0, "T1": 0, "T2": 0, "T3": 0},
                     "bytes": {"T0": 0, "T1": 0, "T2": 0}, "transfer": zero_t, "retiers": 0,
                     "logical_tokens": 0, "decode_steps": 0}
-        logical = int(st.valid[:, : st.n_total].sum())
-        kept = int(self.layers[0].kept_counts().sum())
+        logical = int(st.n_real.sum())
+        kept = int(self.layers[0].counts.sum())
         elem = torch.empty(0, dtype=st.dtype).element_size()
         bpt = st.num_layers * st.n_heads * st.head_dim * 2 * elem
         tokens = {"T0": kept, "T1": 0, "T2": 0, "T3": logical - kept}
@@ -349,5 +363,5 @@ class HeadwiseCache(Cache):
         st = self.state
         if st.batch is None:
             return {"T0": 0, "T1": 0, "T2": 0, "T3": 0}
-        kept = int(self.layers[0].kept_counts()[row])
-        return {"T0": kept, "T1": 0, "T2": 0, "T3": int(st.valid[row, : st.n_total].sum()) - kept}
+        kept = int(self.layers[0].counts[row])
+        return {"T0": kept, "T1": 0, "T2": 0, "T3": int(st.n_real[row]) - kept}

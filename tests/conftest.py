@@ -60,9 +60,9 @@ def generate(model, policy, ids, new_tokens=64, attention_mask=None, **params):
     return out.sequences, torch.stack(out.logits), cache
 
 
-def decode_loop(model, cache, ids, steps, on_step=None):
+def decode_loop(model, cache, ids, steps, on_step=None, attention_mask=None):
     """Manual greedy decoding (one forward per token) so tests can look at the cache between steps."""
-    mask = torch.ones_like(ids)
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
         logits = [out.logits[:, -1]]

@@ -57,19 +57,24 @@ def test_full_budget_equals_full(qwen2, policy):
 def test_headwise_policies_hold_their_budget_every_step(qwen2, policy, params, slack):
     cache = kvtier.make_cache(policy, qwen2, **params)
     ids = prompt_ids(batch=2, length=16, seed=31)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0  # left padding in row 0
     seen = []
 
     def check(step, c):
         st = c.state
         budgets = st.budgets()
+        assert torch.equal(st.n_real, st.valid[:, : st.n_total].sum(1).cpu())
         for layer in c.layers:
             counts = layer.kept_counts()
+            assert torch.equal(counts, layer.counts)  # host-side arithmetic == what the device holds
             assert (counts <= budgets + slack).all(), (step, counts, budgets)
             assert layer.S <= int(budgets.max()) + slack + 1
         seen.append(int(c.layers[0].kept_counts().sum()))
 
-    decode_loop(qwen2, cache, ids, steps=100, on_step=check)
+    decode_loop(qwen2, cache, ids, steps=100, on_step=check, attention_mask=mask)
     assert cache.stats()["tokens"]["T3"] > 0 and len(seen) == 100
+    assert cache.state.n_real.tolist() == [11 + 100, 16 + 100]
 
 
 def test_evict_policy_holds_budget_up_to_its_retier_buffer(qwen2):
