@@ -13,9 +13,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .config import TierConfig
+from .layer_base import KVTierLayer, check_update
 from .layout import TAIL, Layout, build_layout, dest_rows
 from .planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
 from .quant import dequantize, quantize
@@ -104,18 +105,9 @@ class TierState:
     def begin_update(self, k: torch.Tensor) -> None:
         """Called by layer 0 with the new keys (B, H, q, D) before any layer stores them."""
         q = k.shape[2]
+        check_update(self.batch, self.n_total, k)
         if self.batch is None:
             self._init(k)
-        elif k.shape[0] != self.batch:
-            raise ValueError(
-                f"this kvtier cache holds a batch of {self.batch}, got {k.shape[0]} rows; "
-                "call cache.reset() or make a new cache with kvtier.make_cache() for a new batch"
-            )
-        if self.n_total > 0 and q > 1:
-            raise ValueError(
-                "a kvtier cache holds one generation: it got a new prompt after "
-                f"{self.n_total} positions; call cache.reset() or make a new cache for an unrelated prompt"
-            )
         is_decode = self.n_total > 0
         if is_decode:
             if self.retier_enabled and self.since_retier >= self.cfg.retier_interval:
@@ -213,14 +205,12 @@ class TierState:
         return self._step
 
 
-class TieredLayer(CacheLayerMixin):
+class TieredLayer(KVTierLayer):
     """One layer's K/V split across T0 (device), T1 (host, full precision), T2 (host, int8) and a device tail.
 
     Tier buffers are (H, M_tier, D): the tier's tokens of all rows, in (row, position) order, so a tier
     holds exactly its tokens and T1 streams as one contiguous copy.
     """
-
-    is_sliding = False
 
     def __init__(self, state: TierState, layer_idx: int) -> None:
         super().__init__()
@@ -264,36 +254,8 @@ class TieredLayer(CacheLayerMixin):
         if self.version != st.version:
             self._migrate()
         self._append(key_states, value_states)
-        # transformers hands the attention kwargs to the cache, then unpacks the same dict into the attention
-        # function: this is how the registered "kvtier" attention finds the layer it must read.
-        attn_kwargs = kwargs.get("kwargs")
-        if isinstance(attn_kwargs, dict):
-            attn_kwargs["kvtier_layer"] = self
+        self.expose(kwargs)
         return key_states, value_states
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.state.n_total + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.state.n_total
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self._clear()
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise NotImplementedError("kvtier caches do not support beam search (reorder_cache); use greedy or sampling")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("kvtier caches do not support num_return_sequences > 1 with a shared prompt cache")
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        raise NotImplementedError("kvtier caches do not support batch selection")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("kvtier caches do not support crop (assisted decoding)")
 
     # ---- storage -----------------------------------------------------------------------------
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:

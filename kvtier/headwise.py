@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from .config import budget as floor_budget
+from .layer_base import KVTierLayer, check_update
 
 
 @dataclass(frozen=True)
@@ -96,16 +97,10 @@ class HeadwiseState:
 
     def begin_update(self, k: torch.Tensor) -> None:
         q = k.shape[2]
+        check_update(self.batch, self.n_total, k)
         if self.batch is None:
             self.batch, self.device, self.dtype = k.shape[0], k.device, k.dtype
             self.n_heads, self.head_dim = k.shape[1], k.shape[3]
-        elif k.shape[0] != self.batch:
-            raise ValueError(f"this kvtier cache holds a batch of {self.batch}, got {k.shape[0]} rows; call cache.reset()")
-        if self.n_total > 0 and q > 1:
-            raise ValueError(
-                f"a kvtier cache holds one generation: it got a new prompt after {self.n_total} positions; "
-                "call cache.reset() or make a new cache for an unrelated prompt"
-            )
         if self.n_total > 0:
             self.decode_steps += 1
         need = self.n_total + q
@@ -145,10 +140,8 @@ class HeadwiseState:
         return self.budget.per_row(self.n_real)
 
 
-class HeadwiseLayer(CacheLayerMixin):
+class HeadwiseLayer(KVTierLayer):
     """One layer: K/V (B, H, cap, D) on the device, slot positions (B, H, cap) (-1 = empty), S slots used."""
-
-    is_sliding = False
 
     def __init__(self, state: HeadwiseState, layer_idx: int):
         super().__init__()
@@ -189,9 +182,7 @@ class HeadwiseLayer(CacheLayerMixin):
         for t in self.slots.values():
             t[:, :, self.S : self.S + q] = 0
         self.S += q
-        attn_kwargs = kwargs.get("kwargs")
-        if isinstance(attn_kwargs, dict):
-            attn_kwargs["kvtier_layer"] = self
+        self.expose(kwargs)
         return key_states, value_states
 
     def _resize(self, cap: int) -> None:
@@ -202,30 +193,6 @@ class HeadwiseLayer(CacheLayerMixin):
 
         self.k, self.v, self.pos = grow(self.k, 0), grow(self.v, 0), grow(self.pos, -1)
         self.slots = {n: grow(t, 0) for n, t in self.slots.items()}
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.state.n_total + query_length, 0
-
-    def get_seq_length(self) -> int:
-        return self.state.n_total
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def reset(self) -> None:
-        self._clear()
-
-    def reorder_cache(self, beam_idx):
-        raise NotImplementedError("kvtier caches do not support beam search (reorder_cache)")
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        raise NotImplementedError("kvtier caches do not support num_return_sequences > 1 with a shared prompt cache")
-
-    def batch_select_indices(self, indices) -> None:
-        raise NotImplementedError("kvtier caches do not support batch selection")
-
-    def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("kvtier caches do not support crop (assisted decoding)")
 
     # ---- views -------------------------------------------------------------------------------
     def slot_valid(self) -> torch.Tensor:

@@ -81,11 +81,24 @@ class TransferEngine:
             out = fn()
             end.record(s)
             c._pending.append((start, end))
+            if len(c._pending) > 256:
+                self._harvest()
             return out
         t = time.perf_counter()
         out = fn()
         c.seconds += time.perf_counter() - t
         return out
+
+    def _harvest(self) -> None:
+        """Fold in the CUDA timings that have finished, without waiting (keeps the event list short)."""
+        c = self.counters
+        keep = []
+        for s, e in c._pending:
+            if e.query():
+                c.seconds += s.elapsed_time(e) / 1e3
+            else:
+                keep.append((s, e))
+        c._pending = keep
 
     def resolve_timings(self) -> None:
         """Fold finished CUDA event timings into ``counters.seconds`` (synchronizes; call off the hot path)."""
@@ -137,10 +150,14 @@ class TransferEngine:
             if slot.consumed is not None:
                 self.stream.wait_event(slot.consumed)
             with torch.cuda.stream(self.stream):
-                for name, src in tensors.items():
-                    dst = self._buffer(slot.buffers, name, src)
-                    self.counters.stream_h2d_bytes += src.numel() * src.element_size()
-                    self._timed(lambda d=dst, s=src: d.copy_(s, non_blocking=True), stream=self.stream)
+                pairs = [(self._buffer(slot.buffers, name, src), src) for name, src in tensors.items()]
+
+                def copy_all():
+                    for dst, src in pairs:
+                        dst.copy_(src, non_blocking=True)
+
+                self.counters.stream_h2d_bytes += sum(src.numel() * src.element_size() for _, src in pairs)
+                self._timed(copy_all, stream=self.stream)  # one event pair per layer and step
                 slot.ready = torch.cuda.Event()
                 slot.ready.record(self.stream)
         else:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..headwise import EvictionBudget, HeadwiseCache, Scorer
+from ..layer_base import check_number
 from .base import Policy
 
 _PREFILL_CHUNK = 256  # queries per chunk when summing the prompt's attention columns
@@ -75,7 +76,6 @@ class H2OPolicy(Policy):
         heavy_ratio: float = 0.5,
         protect_prompt: bool = False,
     ) -> HeadwiseCache:
-        if isinstance(heavy_ratio, bool) or not isinstance(heavy_ratio, (int, float)) or not 0 <= heavy_ratio <= 1:
-            raise ValueError(f"heavy_ratio must be a number in [0, 1] for policy 'h2o', got {heavy_ratio!r}")
+        check_number(cls.name, "heavy_ratio", heavy_ratio, 0, 1)
         budget = EvictionBudget(budget_ratio, budget_tokens)
         return HeadwiseCache(H2OScorer(heavy_ratio), budget, num_layers, protect_prompt, cls.name)

@@ -22,12 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..headwise import EvictionBudget, HeadwiseCache, Scorer
+from ..layer_base import check_number
 from .base import Policy
-
-
-def _check_int(name, value, lo):
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an integer >= {lo} for policy 'rkv', got {value!r}")
 
 
 class RKVScorer(Scorer):
@@ -118,13 +114,11 @@ class RKVPolicy(Policy):
         threshold: float = 0.5,
         protect_prompt: bool = False,
     ) -> HeadwiseCache:
-        _check_int("window", window, 1)
-        _check_int("buffer", buffer, 1)
-        _check_int("kernel_size", kernel_size, 1)
+        for name, val in (("window", window), ("buffer", buffer), ("kernel_size", kernel_size)):
+            check_number(cls.name, name, val, 1, integer=True)
         if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd for policy 'rkv' (same padding), got {kernel_size}")
-        for name, val in (("lam", lam), ("threshold", threshold)):
-            if isinstance(val, bool) or not isinstance(val, (int, float)) or not 0 <= val <= 1:
-                raise ValueError(f"{name} must be a number in [0, 1] for policy 'rkv', got {val!r}")
+        check_number(cls.name, "lam", lam, 0, 1)
+        check_number(cls.name, "threshold", threshold, 0, 1)
         budget = EvictionBudget(budget_ratio, budget_tokens)
         return HeadwiseCache(RKVScorer(window, buffer, kernel_size, lam, threshold), budget, num_layers, protect_prompt, cls.name)

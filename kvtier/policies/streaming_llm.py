@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..headwise import EvictionBudget, HeadwiseCache, Scorer
+from ..layer_base import check_number
 from .base import Policy
 
 
@@ -42,7 +43,6 @@ class StreamingLLMPolicy(Policy):
         sink_tokens: int = 4,
         protect_prompt: bool = False,
     ) -> HeadwiseCache:
-        if isinstance(sink_tokens, bool) or not isinstance(sink_tokens, int) or sink_tokens < 0:
-            raise ValueError(f"sink_tokens must be an integer >= 0 for policy 'streaming_llm', got {sink_tokens!r}")
+        check_number(cls.name, "sink_tokens", sink_tokens, 0, integer=True)
         budget = EvictionBudget(budget_ratio, budget_tokens)
         return HeadwiseCache(SinkRecentScorer(sink_tokens), budget, num_layers, protect_prompt, cls.name)
