@@ -149,8 +149,12 @@ class TransferEngine:
         if self.is_cuda:
             if slot.consumed is not None:
                 self.stream.wait_event(slot.consumed)
+            # Allocated on the compute stream, which reads them last: a buffer dropped at growth is then safe to reuse.
+            before = self.allocations
+            pairs = [(self._buffer(slot.buffers, name, src), src) for name, src in tensors.items()]
+            if self.allocations != before:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))  # fresh memory may still be in use
             with torch.cuda.stream(self.stream):
-                pairs = [(self._buffer(slot.buffers, name, src), src) for name, src in tensors.items()]
 
                 def copy_all():
                     for dst, src in pairs:
