@@ -293,7 +293,6 @@ class TieredLayer(KVTierLayer):
         st, eng = self.state, self.state.engine
         lay = st.layout
         H, D, dt, dev = self.k0.shape[0], self.k0.shape[2], self.k0.dtype, self.device
-        new: dict[str, torch.Tensor] = {}
         # T0 (device, full precision)
         m0 = lay.tiers[T0].count
         k0, v0 = torch.zeros(H, m0, D, dtype=dt, device=dev), torch.zeros(H, m0, D, dtype=dt, device=dev)

