@@ -67,6 +67,10 @@ class Scorer:
     def priority(self, layer: "HeadwiseLayer", budgets: torch.Tensor, scaling: float) -> torch.Tensor:
         raise NotImplementedError
 
+    def budgets(self, state: "HeadwiseState") -> torch.Tensor:
+        """(B,) tokens each row may keep; by default the budget applies to the whole logical length."""
+        return state.budget.per_row(state.n_real)
+
 
 class HeadwiseState:
     """Shared bookkeeping: lengths, validity (left padding), prompt positions, budgets."""
@@ -136,8 +140,8 @@ class HeadwiseState:
         self.n_prompt = self.n_real.clone()
 
     def budgets(self) -> torch.Tensor:
-        """(B,) long per-row budgets from the rows' real lengths."""
-        return self.budget.per_row(self.n_real)
+        """(B,) long per-row budgets (the scorer decides what the budget covers)."""
+        return self.scorer.budgets(self)
 
 
 class HeadwiseLayer(KVTierLayer):

@@ -19,6 +19,7 @@ FULL_BUDGET = {
     "streaming_llm": dict(budget_ratio=1.0),
     "h2o": dict(budget_ratio=1.0),
     "rkv": dict(budget_ratio=1.0, buffer=16),
+    "snapkv": dict(budget_ratio=1.0),
 }
 
 
@@ -31,7 +32,7 @@ def _padded_pair():
 
 
 def test_registry_lists_every_policy():
-    assert set(kvtier.POLICIES) == {"full", "tiered", "evict", "quant", "streaming_llm", "h2o", "rkv"}
+    assert set(kvtier.POLICIES) == {"full", "tiered", "evict", "quant", "streaming_llm", "h2o", "rkv", "snapkv"}
 
 
 @pytest.mark.parametrize("policy", sorted(FULL_BUDGET))
@@ -133,6 +134,8 @@ def test_quant_policy_stores_int8_and_is_boundedly_lossy(qwen2):
         ("streaming_llm", dict(budget_tokens=0), "budget_tokens"),
         ("rkv", dict(budget_tokens=10, kernel_size=4), "kernel_size"),
         ("h2o", dict(budget_tokens=10, heavy_ratio=2), "heavy_ratio"),
+        ("snapkv", dict(budget_ratio=0.5, pooling="mean"), "pooling"),
+        ("snapkv", dict(budget_ratio=0.5, buffer=3), r"'buffer'.*'snapkv'"),
     ],
 )
 def test_bad_policy_parameters(qwen2, policy, params, match):
@@ -277,3 +280,40 @@ def test_rkv_matches_naive_reference(seed, lam):
     got, (Q, K, V, scale) = _drive("rkv", params, steps, prefill, H=H, g=g, seed=seed)
     want = rkv_reference(Q.double(), K.double(), scale, prefill, 12, 4, 6, 3, lam, 0.3, H, g)
     assert got == want
+
+
+def test_snapkv_compresses_the_prompt_only(qwen2):
+    ids, mask = _padded_pair()
+    cache = kvtier.make_cache("snapkv", qwen2, budget_tokens=6, window=3, kernel_size=3)
+    decode_loop(qwen2, cache, ids, steps=30, attention_mask=mask)
+    for layer in cache.layers:
+        assert torch.equal(layer.kept_counts(), torch.tensor([6 + 30, 6 + 30]))
+        # every generated token is still there, in every head
+        gen = layer.pos[:, :, : layer.S] >= 16
+        assert (gen.sum(-1) == 30).all()
+    assert cache.stats()["tokens"]["T3"] == (10 - 6) + (16 - 6)
+
+
+@pytest.mark.parametrize("pooling", ["avg", "max"])
+def test_snapkv_votes_match_naive_reference(pooling):
+    from kvtier.policies.snapkv import snapkv_scores
+
+    torch.manual_seed(3)
+    B, H, g, S, D, w, k = 1, 2, 2, 14, 8, 4, 3
+    keys = torch.randn(B, H, S, D)
+    q = torch.randn(B, H * g, w, D) * 3
+    valid = torch.ones(B, H, S, dtype=torch.bool)
+    got = snapkv_scores(q, keys, valid, D**-0.5, k, pooling)
+    past = S - w
+    for h in range(H):
+        votes = [0.0] * past
+        for qh in range(h * g, (h + 1) * g):
+            for i in range(w):
+                p = _softmax([_dot(q[0, qh, i], keys[0, h, j]) * D**-0.5 for j in range(past)])
+                for j in range(past):
+                    votes[j] += p[j]
+        for j in range(past):
+            win = [votes[x] for x in range(j - k // 2, j + k // 2 + 1) if 0 <= x < past]
+            want = max(win) if pooling == "max" else sum(win) / k  # avg pooling counts the zero padding
+            assert abs(float(got[0, h, j]) - want) < 1e-5
+        assert torch.isinf(got[0, h, past:]).all()
