@@ -65,8 +65,8 @@ def _parse_params(pairs: list[str]) -> dict:
     return out
 
 
-def _policy_params(policy: str, **given) -> dict:
-    """Only the options the user gave, and only those the policy takes (so `--hbm-ratio` can be shared by a sweep)."""
+def _policy_params(**given) -> dict:
+    """The policy options the user gave (the policy itself rejects the ones it does not take)."""
     return {k: v for k, v in given.items() if v is not None}
 
 
@@ -105,7 +105,7 @@ def generate(
         import kvtier
         from .models import chat_prompt
 
-        params = {**_policy_params(policy, hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
+        params = {**_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
                                    budget_ratio=budget_ratio), **_parse_params(param)}
         kvtier.get_policy(policy).check_params(params)
         m, tok = kvtier.load_model(model, device=device, dtype=dtype)
@@ -160,7 +160,7 @@ def eval_cmd(
         if batch_size < 1:
             raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
 
-        params = {**_policy_params(policy, hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
+        params = {**_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
                                    budget_ratio=budget_ratio), **_parse_params(param)}
         cfg = EvalConfig(model=model, benchmark=benchmark, policy=policy, params=params, limit=limit,
                          max_new_tokens=max_new_tokens or _default_max_new(device), temperature=temperature,

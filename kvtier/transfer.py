@@ -53,10 +53,12 @@ class TransferEngine:
 
     Args:
         device: the compute device (where T0 lives).
-        n_slots: staging slots (2 = double buffering: one being read, one being filled).
+        n_slots: staging slots. One suffices for overlap: a layer releases its slot as soon as its tokens are in
+            the work buffer, and the next layer's copy starts then, under this layer's attention and MLP; with
+            the work buffer that bounds device staging to two layers' worth of KV.
     """
 
-    def __init__(self, device: torch.device, n_slots: int = 2) -> None:
+    def __init__(self, device: torch.device, n_slots: int = 1) -> None:
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
         self.counters = TransferCounters()
@@ -135,7 +137,7 @@ class TransferEngine:
         if buf is None or buf.numel() < like.numel() or buf.dtype != like.dtype:
             # Geometric headroom: host tiers grow a little at every reassignment, buffers should not follow suit.
             old = buf.numel() if buf is not None and buf.dtype == like.dtype else 0
-            buf = torch.empty(max(like.numel(), old + old // 2, 1), dtype=like.dtype, device=self.device)
+            buf = torch.empty(max(like.numel(), old + old // 4, 1), dtype=like.dtype, device=self.device)
             store[name] = buf
             self.allocations += 1
         return buf[: like.numel()].view(like.shape)

@@ -32,13 +32,14 @@ def test_staging_and_work_buffers_are_reused(qwen2):
     # buffers grow geometrically with T1 and in 256-column granules with the sequence: a handful of growth
     # events over 200 steps, never one per step
     grew = sum(b > a for a, b in zip(allocs, allocs[1:]))
-    assert grew <= 15, allocs[::10]
+    assert grew <= 20, allocs[::10]
     assert allocs[-1] - allocs[100] <= 8
     st = cache.stats()
     assert st["tokens"]["T1"] > 0
-    # staging holds at most two layers of host tiers plus one layer's working K/V
+    # device staging: one layer's host tiers (with 25% growth headroom) plus one layer's work buffer (256-column
+    # granules): at most two layers' worth of KV
     per_layer_kv = st["bytes_per_token"]["T0"] // qwen2.config.num_hidden_layers
-    assert st["allocated_bytes"]["staging"] <= 4 * (st["logical_tokens"] + 256 * 2) * per_layer_kv
+    assert st["allocated_bytes"]["staging"] <= 2 * (st["logical_tokens"] + 256 * 2) * per_layer_kv
 
 
 def test_counters_equal_tokens_moved_times_bytes_per_token():
@@ -62,12 +63,12 @@ def test_counters_equal_tokens_moved_times_bytes_per_token():
 def test_prefetched_slot_is_used_once():
     eng = TransferEngine(torch.device("cpu"))
     x = torch.randn(2, 4, 8)
-    eng.stage(1, ("L3", 7), {"k": x})
+    eng.stage(0, ("L3", 7), {"k": x})
     n = eng.counters.stream_h2d_bytes
-    eng.take(1, ("L3", 7), {"k": x})  # the prefetch matches: no second copy
+    eng.take(0, ("L3", 7), {"k": x})  # the prefetch matches: no second copy
     assert eng.counters.stream_h2d_bytes == n
-    eng.release(1)
-    eng.take(1, ("L3", 7), {"k": x})  # released: staged again
+    eng.release(0)
+    eng.take(0, ("L3", 7), {"k": x})  # released: staged again
     assert eng.counters.stream_h2d_bytes == 2 * n
 
 

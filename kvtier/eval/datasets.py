@@ -14,9 +14,12 @@ BENCHMARKS = ("gsm8k", "math500", "math_level5", "arc_challenge")
 HUB = {
     "gsm8k": ("openai/gsm8k", "main", "test"),
     "math500": ("HuggingFaceH4/MATH-500", None, "test"),
-    "math_level5": ("EleutherAI/hendrycks_math", None, "test"),  # all subjects, filtered to Level 5
+    "math_level5": ("EleutherAI/hendrycks_math", None, "test"),  # one config per subject; filtered to Level 5
     "arc_challenge": ("allenai/ai2_arc", "ARC-Challenge", "test"),
 }
+
+MATH_SUBJECTS = ["algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                 "prealgebra", "precalculus"]
 
 
 class DataError(ValueError):
@@ -81,11 +84,11 @@ def _from_hub(name: str) -> list[dict]:
             f"or pass --data-dir DIR holding {name}/test.jsonl"
         ) from None
     repo, config, split = HUB[name]
+    configs = MATH_SUBJECTS if name == "math_level5" else [config]
     try:
-        ds = datasets.load_dataset(repo, config, split=split)
+        rows = [dict(r) for c in configs for r in datasets.load_dataset(repo, c, split=split)]
     except Exception as e:  # offline, gated, renamed ...
         raise DataError(f"cannot read {repo} from the hub ({type(e).__name__}); pass --data-dir DIR holding {name}/test.jsonl") from None
-    rows = [dict(r) for r in ds]
     if name == "math_level5":
         from .grading import extract_boxed
 
