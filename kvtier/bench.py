@@ -192,6 +192,9 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
                     h2d_bytes_per_step=sb / cfg.new_tokens,
                     migration_bytes_per_step=last["migration_bytes"] / cfg.new_tokens,
                     h2d_gbps=(sb / ts / 1e9) if ts > 0 else None,
+                    # the step time T1/T2 streaming alone would take at the measured peak: compare with ms_per_step
+                    # to see whether transfers can hide under compute (they cannot once this exceeds the full step)
+                    h2d_floor_ms_per_step=1e3 * (sb / cfg.new_tokens) / (peak * 1e9),
                     h2d_fraction_of_peak=((sb / ts / 1e9) / peak) if ts > 0 else None,
                     tokens=last["tokens"],
                     retiers=last["retiers"],

@@ -110,7 +110,7 @@ def test_bench_cpu_json_schema(tmp_path):
     for r in rows:
         if r["policy"] == "tiered":
             assert {"transfer_seconds", "transfer_share", "h2d_gbps", "h2d_fraction_of_peak", "h2d_bytes_per_step",
-                    "migration_bytes_per_step", "tokens", "retiers"} <= set(r)
+                    "migration_bytes_per_step", "tokens", "retiers", "h2d_floor_ms_per_step"} <= set(r)
             assert r["h2d_bytes_per_step"] > 0 and r["retiers"] >= 1
     assert [r["ratio_to_full"] for r in rows if r["policy"] == "full"] == [1.0, 1.0]
 
