@@ -170,6 +170,12 @@ def run_eval(
     return path
 
 
+def _as_set(ids) -> set[int]:
+    if ids is None:
+        return set()
+    return {ids} if isinstance(ids, int) else set(ids)
+
+
 def _run_batch(model, tok, c: EvalConfig, batch: list) -> list[dict]:
     import kvtier
 
@@ -191,8 +197,7 @@ def _run_batch(model, tok, c: EvalConfig, batch: list) -> list[dict]:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
     plen = enc.input_ids.shape[1]
-    eos = set([tok.eos_token_id] if isinstance(tok.eos_token_id, int) else (tok.eos_token_id or []))
-    eos |= set(getattr(model.generation_config, "eos_token_id", None) or []) if isinstance(getattr(model.generation_config, "eos_token_id", None), list) else set()
+    eos = _as_set(tok.eos_token_id) | _as_set(getattr(model.generation_config, "eos_token_id", None))
     stats = cache.stats()
     recs = []
     for row, (cfg, p, s) in enumerate(batch):
