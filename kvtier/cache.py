@@ -64,7 +64,6 @@ class TierState:
         self.retiers = 0
         self.changed_total: dict[str, int] = {}
         self.peak_device_tokens = 0
-        self.last_changed: dict[str, int] = {}
         self._step = None
         self._step_key = None
         self._dest_key = None
@@ -138,13 +137,12 @@ class TierState:
         """
         if attention_mask is None or attention_mask.dim() != 4 or self.n_total != q:
             return
-        start = self.n_total - q
         i = torch.arange(q, device=attention_mask.device)
-        diag = attention_mask[:, 0, i, start + i] if attention_mask.shape[-1] >= self.n_total else attention_mask[:, 0, i, i]
+        diag = attention_mask[:, 0, i, i]  # a padding query's own column is masked
         if diag.dtype != torch.bool:
             diag = diag == 0  # additive float mask: 0 where attended
-        self.valid_dev[:, start : self.n_total] = diag.to(self.device)
-        self.valid[:, start : self.n_total] = diag.cpu()
+        self.valid_dev[:, :q] = diag.to(self.device)
+        self.valid[:, :q] = diag.cpu()
         self._step_key = None
 
     # ---- reassignment ------------------------------------------------------------------------
@@ -163,7 +161,6 @@ class TierState:
         self.version += 1
         self.retiers += 1
         self.since_retier = 0
-        self.last_changed = dict(self.layout.changed)
         for key, v in self.layout.changed.items():
             self.changed_total[key] = self.changed_total.get(key, 0) + v
         log.debug("retier %d at n=%d: %s", self.retiers, n, self.layout.changed)
@@ -279,10 +276,10 @@ class TieredLayer(KVTierLayer):
     def _fetch(self, move, src_tier):
         """Values of the moving tokens from their current place: (H, m, D) pairs, plus scales for T2."""
         if src_tier == TAIL:
-            b, c = move.b.to(self.device), move.src.to(self.device)
+            b, c = move.on(self.device, "b"), move.on(self.device, "src")
             return self.tail_k[b, :, c].transpose(0, 1), self.tail_v[b, :, c].transpose(0, 1)
         if src_tier == T0:
-            i = move.src.to(self.device)
+            i = move.on(self.device, "src")
             return self.k0[:, i], self.v0[:, i]
         if src_tier == T1:
             return self.k1[:, move.src], self.v1[:, move.src]
@@ -311,7 +308,7 @@ class TieredLayer(KVTierLayer):
             elif mv.src_tier == T2:
                 a = dequantize(eng.to_device(a[0]), eng.to_device(a[1]), dt)
                 b = dequantize(eng.to_device(b[0]), eng.to_device(b[1]), dt)
-            d = mv.dst.to(dev)
+            d = mv.on(dev, "dst")
             k0[:, d], v0[:, d] = a, b
         for mv in lay.moves.get(T1, []):
             a, b = self._fetch(mv, mv.src_tier)

@@ -42,6 +42,14 @@ class Move:
     src: torch.Tensor
     dst: torch.Tensor
     b: torch.Tensor
+    _on: dict = field(default_factory=dict, repr=False)
+
+    def on(self, device: torch.device, name: str) -> torch.Tensor:
+        """``src``/``dst``/``b`` on ``device``, copied once for all layers."""
+        key = (str(device), name)
+        if key not in self._on:
+            self._on[key] = getattr(self, name).to(device)
+        return self._on[key]
 
 
 @dataclass
