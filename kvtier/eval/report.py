@@ -164,13 +164,23 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
         br = [r for r in rows if r["benchmark"] == bench]
         # 1. accuracy vs eviction ratio per policy: the cliff vs the knob
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for pol in sorted({r["policy"] for r in br}):
-            pts = sorted({(r["evict_ratio"], r["accuracy"]) for r in br if r["policy"] == pol and r["evict_ratio"] is not None
-                          and (pol != "tiered" or r["hbm_ratio"] == min(x["hbm_ratio"] for x in br if x["policy"] == "tiered"))})
-            if pts:
-                style = dict(marker="*", markersize=12, linestyle="none") if pol == "full" else dict(marker="o")
-                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], label=pol, **style)
-        ax.set(xlabel="eviction ratio (fraction of tokens destroyed)", ylabel="accuracy (%)",
+        markers = "osD^v<>Xp*h"
+        for i, pol in enumerate(sorted({r["policy"] for r in br})):
+            h_min = min((x["hbm_ratio"] for x in br if x["policy"] == pol and x["hbm_ratio"] is not None), default=None)
+            pts = sorted((r["evict_ratio"], r["accuracy"], r["ci_low"], r["ci_high"]) for r in br
+                         if r["policy"] == pol and r["evict_ratio"] is not None and r["hbm_ratio"] == h_min)
+            if not pts:
+                continue
+            xs, ys = [p[0] for p in pts], [100 * p[1] for p in pts]
+            err = [[max(0.0, 100 * (p[1] - p[2])) for p in pts], [max(0.0, 100 * (p[3] - p[1])) for p in pts]]
+            if pol == "full":
+                style = dict(marker="*", markersize=14, linestyle="none", color="black")
+            else:  # open markers and dashes keep policies that coincide (tiered = evict) visible
+                style = dict(marker=markers[i % len(markers)], markersize=7, fillstyle="none",
+                             linestyle=("--" if pol == "tiered" else "-"), capsize=3, alpha=0.9)
+            label = pol if h_min is None else f"{pol} (hbm {h_min})"
+            ax.errorbar([x + 0.004 * (i - 3) for x in xs], ys, yerr=err, label=label, **style)
+        ax.set(xlabel="eviction ratio (fraction of tokens destroyed)", ylabel="accuracy (%), 95% Wilson interval",
                title=f"{bench}: accuracy vs eviction ratio")
         ax.grid(alpha=0.3)
         ax.legend()
@@ -191,7 +201,9 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
             ax.set_yticks(range(len(es)), [str(e) for e in es])
             for i in range(len(es)):
                 for j in range(len(hs)):
-                    ax.text(j, i, f"{grid[i][j]:.1f}", ha="center", va="center", color="w")
+                    cell = grid[i][j]
+                    ax.text(j, i, "–" if cell != cell else f"{cell:.1f}", ha="center", va="center",
+                            color="w" if cell == cell else "k")
             ax.set(xlabel="HBM ratio (T0)", ylabel="eviction ratio (T3)", title=f"{bench}: tiered accuracy (%)")
             fig.colorbar(im, ax=ax)
             p = out / f"{bench}_hbm_evict_heatmap.png"
