@@ -83,3 +83,19 @@ def test_quantization_changes_output_boundedly(qwen2):
     assert torch.equal(logits[:first_retier], ref[:first_retier])
     diff = (logits[first_retier:] - ref[first_retier:]).abs().max().item()
     assert 1e-4 < diff < 0.5
+
+
+def test_full_matches_stock_with_left_padding(qwen2):
+    """With a left-padded batch, kvtier's "full" still equals stock SDPA + DynamicCache within 1e-4."""
+    ids = prompt_ids(batch=3, length=14, seed=6)
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    mask[2, :9] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    _, logits, _ = generate(qwen2, "full", ids, new_tokens=40, attention_mask=mask)
+    qwen2.set_attn_implementation("sdpa")
+    out = qwen2.generate(
+        ids, attention_mask=mask, cache=DynamicCache(config=qwen2.config), max_new_tokens=40, min_new_tokens=40,
+        do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+    )
+    assert (logits - torch.stack(out.logits)).abs().max().item() <= 1e-4
