@@ -4,12 +4,10 @@
 #   - `kvtier bench` on random-weight Qwen2-7B shapes in bf16, 4K context, batch 1 and 8,
 #     full vs tiered at hbm 0.3 / 0.5 / 0.7 (evict 0.03), JSON written to $OUT (or benchmarks/results).
 #
-# The device has torch 2.11 and transformers 5.17; kvtier pins transformers 5.24, so carry wheels:
-#   echo /.whl/ >> .git/info/exclude
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#       --platform manylinux2014_x86_64 --platform any -d .whl \
-#       transformers==5.24.0 typer rich click shellingham typing_extensions
-# then run with carry [".whl"]:  bash benchmarks/gpu_check.sh
+# The device has torch 2.11 and transformers 5.17; kvtier pins transformers 5.24, whose needs the device already
+# meets (huggingface-hub 1.33, tokenizers 0.23.2, safetensors 0.8, typer, rich, pytest are there). Carry one wheel:
+#   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0   (.whl/ is git-ignored)
+# then: device run, carry [".whl"], command "bash benchmarks/gpu_check.sh", timeout 540.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
