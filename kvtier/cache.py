@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from .config import TierConfig
-from .layer_base import KVTierLayer, check_update
+from .layer_base import KVTierLayer, check_update, prompt_validity
 from .layout import TAIL, Layout, build_layout, dest_rows
 from .planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
 from .quant import dequantize, quantize
@@ -135,12 +135,9 @@ class TierState:
         Only the prompt can hold padding (``generate`` appends real tokens), so decode steps skip this and never
         wait for the device.
         """
-        if attention_mask is None or attention_mask.dim() != 4 or self.n_total != q:
+        diag = prompt_validity(attention_mask, q) if self.n_total == q else None
+        if diag is None:
             return
-        i = torch.arange(q, device=attention_mask.device)
-        diag = attention_mask[:, 0, i, i]  # a padding query's own column is masked
-        if diag.dtype != torch.bool:
-            diag = diag == 0  # additive float mask: 0 where attended
         self.valid_dev[:, :q] = diag.to(self.device)
         self.valid[:, :q] = diag.cpu()
         self._step_key = None

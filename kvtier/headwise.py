@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from transformers.cache_utils import Cache
 
 from .config import budget as floor_budget
-from .layer_base import KVTierLayer, check_update
+from .layer_base import KVTierLayer, check_update, prompt_validity
 
 
 @dataclass(frozen=True)
@@ -127,15 +127,11 @@ class HeadwiseState:
 
     def note_validity(self, attention_mask: torch.Tensor | None, q: int) -> None:
         """Padding of the prompt, from the mask's diagonal (only the prompt holds padding)."""
-        if attention_mask is None or attention_mask.dim() != 4 or self.n_total != q:
+        diag = prompt_validity(attention_mask, q) if self.n_total == q else None
+        if diag is None:
             return
-        start = self.n_total - q
-        i = torch.arange(q, device=attention_mask.device)
-        diag = attention_mask[:, 0, i, start + i]
-        if diag.dtype != torch.bool:
-            diag = diag == 0
-        self.valid[:, start : self.n_total] = diag.to(self.device)
-        self.prompt[:, start : self.n_total] &= self.valid[:, start : self.n_total]
+        self.valid[:, :q] = diag.to(self.device)
+        self.prompt[:, :q] &= self.valid[:, :q]
         self.n_real = diag.sum(-1).cpu().long()  # one wait, at prefill
         self.n_prompt = self.n_real.clone()
 

@@ -20,6 +20,16 @@ def check_update(batch: int | None, n_total: int, keys: torch.Tensor) -> None:
         )
 
 
+def prompt_validity(attention_mask: torch.Tensor | None, q: int) -> torch.Tensor | None:
+    """(B, q) bool: which prompt positions are real, read from the mask's diagonal (a padding query's own
+    column is masked). None when there is no 4-D mask (no padding)."""
+    if attention_mask is None or attention_mask.dim() != 4:
+        return None
+    i = torch.arange(q, device=attention_mask.device)
+    diag = attention_mask[:, 0, i, i]
+    return diag if diag.dtype == torch.bool else diag == 0  # additive float masks are 0 where attended
+
+
 def check_number(policy: str, name: str, value, lo: float, hi: float | None = None, integer: bool = False) -> None:
     """``ValueError`` naming the parameter, the policy and the allowed range."""
     kind = int if integer else (int, float)

@@ -184,11 +184,7 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
                title=f"{bench}: accuracy vs eviction ratio")
         ax.grid(alpha=0.3)
         ax.legend()
-        p = out / f"{bench}_accuracy_vs_eviction.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths[f"{bench}_eviction"] = p
+        paths[f"{bench}_eviction"] = _save(fig, out / f"{bench}_accuracy_vs_eviction.png")
         # 2. tiered HBM x eviction heatmap
         tr = [r for r in br if r["policy"] == "tiered" and r["hbm_ratio"] is not None]
         if tr:
@@ -206,11 +202,7 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
                             color="w" if cell == cell else "k")
             ax.set(xlabel="HBM ratio (T0)", ylabel="eviction ratio (T3)", title=f"{bench}: tiered accuracy (%)")
             fig.colorbar(im, ax=ax)
-            p = out / f"{bench}_hbm_evict_heatmap.png"
-            fig.tight_layout()
-            fig.savefig(p, dpi=110)
-            plt.close(fig)
-            paths[f"{bench}_heatmap"] = p
+            paths[f"{bench}_heatmap"] = _save(fig, out / f"{bench}_hbm_evict_heatmap.png")
         # 3. device KV memory vs accuracy
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for pol in sorted({r["policy"] for r in br}):
@@ -219,9 +211,14 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
         ax.set(xlabel="device KV per sequence at the end (MiB)", ylabel="accuracy (%)", title=f"{bench}: device memory vs accuracy")
         ax.grid(alpha=0.3)
         ax.legend()
-        p = out / f"{bench}_memory_vs_accuracy.png"
-        fig.tight_layout()
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths[f"{bench}_memory"] = p
+        paths[f"{bench}_memory"] = _save(fig, out / f"{bench}_memory_vs_accuracy.png")
     return paths
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
