@@ -5,6 +5,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Deterministic property tests: the same examples on every run and in CI (no example database either).
+settings.register_profile("kvtier", derandomize=True, database=None)
+settings.load_profile("kvtier")
 
 import kvtier
 from kvtier.models import random_model
