@@ -149,3 +149,21 @@ def test_demo_table_on_a_tiny_model(tmp_path):
     recs = _records(tmp_path / "demo")
     assert len(recs) == 2 * len(DEMO_CONFIGS)
     assert "tiered (hbm 0.3, evict 0.03)" in res.output and "same text / answer as full" in res.output
+
+
+def test_sweep_from_a_config_file(tmp_path):
+    cfg = {"benchmark": "gsm8k", "policy": ["full", "tiered", "rkv"], "evict_ratio": [0.2], "hbm_ratio": "0.3",
+           "limit": 1, "max_new_tokens": 4, "policy_params": {"rkv": {"buffer": 4}, "tiered": {"recent_window": 2}}}
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "grid"
+    res = runner.invoke(app, ["sweep", *TINY, "--config", str(path), "--data-dir", str(DATA_DIR), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    params = sorted(json.dumps(r["params"], sort_keys=True) for r in _records(out))
+    assert params == sorted([
+        "{}",
+        json.dumps({"evict_ratio": 0.2, "hbm_ratio": 0.3, "quant_ratio": 0.0, "recent_window": 2}, sort_keys=True),
+        json.dumps({"budget_ratio": 0.8, "buffer": 4}, sort_keys=True),
+    ])
+    res = runner.invoke(app, ["sweep", *TINY, "--config", str(tmp_path / "missing.json"), "--out", str(out)])
+    assert res.exit_code == 2 and "does not exist" in res.output
