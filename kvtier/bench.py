@@ -38,6 +38,7 @@ class BenchConfig:
     repeats: int = 3
     warmup_steps: int | None = None  # default: retier_interval + 8
     stock: bool = True
+    t1_on_device: bool = False  # also time each tiered point with a device copy of T1 (the HBM-for-PCIe trade)
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -89,6 +90,8 @@ def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
             for e in cfg.evict_ratios:
                 for h in cfg.hbm_ratios:
                     out.append((p, dict(hbm_ratio=h, evict_ratio=e, **common)))
+                    if cfg.t1_on_device:
+                        out.append((p, dict(hbm_ratio=h, evict_ratio=e, t1_on_device=True, **common)))
         elif p in ("evict",):
             for e in cfg.evict_ratios:
                 out.append((p, dict(evict_ratio=e, **common)))

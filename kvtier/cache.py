@@ -38,11 +38,13 @@ class TierState:
     length N_b counts only its real positions.
     """
 
-    def __init__(self, cfg: TierConfig, num_layers: int, retier: bool = True, policy: str = "tiered") -> None:
+    def __init__(self, cfg: TierConfig, num_layers: int, retier: bool = True, policy: str = "tiered",
+                 t1_on_device: bool = False) -> None:
         self.cfg = cfg
         self.num_layers = num_layers
         self.retier_enabled = retier
         self.policy = policy
+        self.t1_on_device = t1_on_device
         self.reset()
 
     def reset(self) -> None:
@@ -219,6 +221,9 @@ class TieredLayer(KVTierLayer):
         self.k2 = self.v2 = None  # (H, M2, D) int8 host
         self.k2s = self.v2s = None  # (H, M2, 1) float32 host
         self.tail_k = self.tail_v = None  # (B, H, cap, D) device
+        self.mirror_k = self.mirror_v = None  # (B, H, cap, D) device, with t1_on_device
+        self.mirror_version = -1
+        self.mirror_len = 0
         self.is_initialized = False
 
     # ---- CacheLayerMixin ---------------------------------------------------------------------
@@ -339,15 +344,25 @@ class TieredLayer(KVTierLayer):
         return out
 
     def assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept K and V of this layer in position order: two (B, H, K, D) views of the engine's work buffers."""
+        """Kept K and V of this layer in position order: two (B, H, K, D) views of the engine's work buffers
+        (or of this layer's device mirror with ``t1_on_device``)."""
         st = self.state
         sv = st.step_view()
         K = sv["K"]
         if sv["k_main"] == 0 and self.tail_k.shape[2] == sv["cap"]:
             return self.tail_k[:, :, :K], self.tail_v[:, :, :K]  # nothing to assemble
-        eng = st.engine
+        if st.t1_on_device:
+            return self._assemble_mirror(sv)
         B, H, D = st.batch, self.k0.shape[0], self.k0.shape[2]
-        wk, wv = eng.work_buffers((B, H, sv["cap"], D), self.k0.dtype)
+        wk, wv = st.engine.work_buffers((B, H, sv["cap"], D), self.k0.dtype)
+        self._fill(wk, wv, sv)
+        self._prefetch_next()
+        return wk[:, :, :K], wv[:, :, :K]
+
+    def _fill(self, wk: torch.Tensor, wv: torch.Tensor, sv: dict) -> None:
+        """Write every kept token of this layer into (B, H, cap, D) buffers at its working column."""
+        st, eng = self.state, self.state.engine
+        D = self.k0.shape[2]
         fk, fv = wk.view(-1, D), wv.view(-1, D)
         dest = sv["dest"]
         if self.k0.shape[1]:
@@ -364,18 +379,41 @@ class TieredLayer(KVTierLayer):
                 fk.index_copy_(0, dest[T2], dequantize(dv["k2"], dv["k2s"], wk.dtype).reshape(-1, D))
                 fv.index_copy_(0, dest[T2], dequantize(dv["v2"], dv["v2s"], wv.dtype).reshape(-1, D))
             eng.release(slot)
-        self._prefetch_next()
-        km = sv["k_main"]
+        km, K = sv["k_main"], sv["K"]
         wk[:, :, km:K].copy_(self.tail_k[:, :, : sv["t"]])
         wv[:, :, km:K].copy_(self.tail_v[:, :, : sv["t"]])
-        return wk[:, :, :K], wv[:, :, :K]
+
+    def _assemble_mirror(self, sv: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """``t1_on_device``: the assembled K/V stay on the device until the next reassignment, so each step only
+        appends the new token; host tiers cross the bus once per reassignment instead of every step. Device memory
+        is then that of the full cache (the trade this option makes)."""
+        st = self.state
+        K, cap = sv["K"], sv["cap"]
+        B, H, D = st.batch, self.k0.shape[0], self.k0.shape[2]
+        if self.mirror_k is None or self.mirror_version != st.version:
+            self.mirror_k = torch.zeros(B, H, cap, D, dtype=self.k0.dtype, device=self.device)
+            self.mirror_v = torch.zeros_like(self.mirror_k)
+            self._fill(self.mirror_k, self.mirror_v, sv)
+            self.mirror_version = st.version
+        else:
+            n = self.mirror_len
+            if self.mirror_k.shape[2] != cap:  # same 256-column granules as the work buffer: same strides
+                mk = torch.zeros(B, H, cap, D, dtype=self.k0.dtype, device=self.device)
+                mv = torch.zeros_like(mk)
+                mk[:, :, :n], mv[:, :, :n] = self.mirror_k[:, :, :n], self.mirror_v[:, :, :n]
+                self.mirror_k, self.mirror_v = mk, mv
+            t0 = n - sv["k_main"]
+            self.mirror_k[:, :, n:K].copy_(self.tail_k[:, :, t0 : sv["t"]])
+            self.mirror_v[:, :, n:K].copy_(self.tail_v[:, :, t0 : sv["t"]])
+        self.mirror_len = K
+        return self.mirror_k[:, :, :K], self.mirror_v[:, :, :K]
 
     def _prefetch_next(self) -> None:
         """Start streaming the next layer's host tiers while this layer computes (async on CUDA)."""
         st = self.state
         nxt = self.layer_idx + 1
         layers = getattr(st, "layers", None)
-        if not st.engine.is_cuda or layers is None or nxt >= len(layers):
+        if not st.engine.is_cuda or st.t1_on_device or layers is None or nxt >= len(layers):
             return
         other = layers[nxt]
         if other.version != st.version or not other.is_initialized:
@@ -418,8 +456,9 @@ class TieredLayer(KVTierLayer):
 class KVTierCache(Cache):
     """A transformers ``Cache`` whose tokens live in four tiers; built by :func:`kvtier.make_cache`."""
 
-    def __init__(self, cfg: TierConfig, num_layers: int, retier: bool = True, policy: str = "tiered") -> None:
-        self.state = TierState(cfg, num_layers, retier=retier, policy=policy)
+    def __init__(self, cfg: TierConfig, num_layers: int, retier: bool = True, policy: str = "tiered",
+                 t1_on_device: bool = False) -> None:
+        self.state = TierState(cfg, num_layers, retier=retier, policy=policy, t1_on_device=t1_on_device)
         layers = [TieredLayer(self.state, i) for i in range(num_layers)]
         self.state.layers = layers
         super().__init__(layers=layers)
@@ -474,7 +513,11 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
     st.engine.resolve_timings()
     c = st.engine.counters
     dev_alloc = sum(
-        (x.numel() * x.element_size()) for layer in layers if layer.is_initialized for x in (layer.k0, layer.v0, layer.tail_k, layer.tail_v)
+        (x.numel() * x.element_size())
+        for layer in layers
+        if layer.is_initialized
+        for x in (layer.k0, layer.v0, layer.tail_k, layer.tail_v, layer.mirror_k, layer.mirror_v)
+        if x is not None
     )
     host_alloc = sum(
         (x.numel() * x.element_size())
@@ -488,6 +531,7 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         "bytes": {"T0": tokens["T0"] * bpt_fp, "T1": tokens["T1"] * bpt_fp, "T2": tokens["T2"] * bpt_q},
         "bytes_per_token": {"T0": bpt_fp, "T1": bpt_fp, "T2": bpt_q},
         "allocated_bytes": {"device": dev_alloc, "host": host_alloc, "staging": st.engine.staging_bytes()},
+        "t1_on_device": st.t1_on_device,
         "effective_ratios": {k: (v / logical if logical else 0.0) for k, v in tokens.items()},
         "logical_tokens": logical,
         "transfer": {

@@ -308,6 +308,7 @@ def bench(
     recent_window: int = typer.Option(128, help="tiered: protected recent tokens (the prompt is not protected here: it stands for earlier thoughts)"),
     repeats: int = typer.Option(3),
     stock: bool = typer.Option(True, help="also time stock transformers (SDPA + DynamicCache)"),
+    t1_on_device: bool = typer.Option(False, "--t1-on-device", help="also time tiered with a device copy of T1 (HBM for PCIe)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
@@ -327,8 +328,8 @@ def bench(
             policies=tuple(p.strip() for p in policy.split(",") if p.strip()),
             hbm_ratios=tuple(_floats(hbm_ratio, "--hbm-ratio")),
             evict_ratios=tuple(_floats(evict_ratio, "--evict-ratio")),
-            retier_interval=retier_interval, recent_window=recent_window, repeats=repeats, stock=stock, device=device,
-            dtype=dtype,
+            retier_interval=retier_interval, recent_window=recent_window, repeats=repeats, stock=stock,
+            t1_on_device=t1_on_device, device=device, dtype=dtype,
         )
         with console.status("benchmarking") as status:
             res = run_bench(cfg, on_progress=lambda m: status.update(m))
@@ -350,6 +351,7 @@ def print_bench(res: dict) -> None:
     mib = 2**20
     for r in res["results"]:
         p = ", ".join(f"{k.replace('_ratio', '')}={v}" for k, v in r["params"].items() if k.endswith("ratio"))
+        p += ", T1 on device" if r["params"].get("t1_on_device") else ""
         gb = f"{r['h2d_gbps']:.1f} ({100 * r['h2d_fraction_of_peak']:.0f}%)" if r.get("h2d_gbps") else "–"
         kv = r["kv_bytes"]
         t.add_row(str(r["batch"]), r["policy"], p, f"{r['decode_tok_s']:.1f}", f"{r['ms_per_step']:.1f}",

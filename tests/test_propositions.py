@@ -99,3 +99,17 @@ def test_full_matches_stock_with_left_padding(qwen2):
         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
     )
     assert (logits - torch.stack(out.logits)).abs().max().item() <= 1e-4
+
+
+def test_t1_on_device_changes_nothing_but_the_traffic(qwen2):
+    """A device copy of the host tiers between reassignments: same floats, streaming only at reassignments."""
+    ids = prompt_ids(batch=2, length=16, seed=9)
+    params = dict(hbm_ratio=0.2, evict_ratio=0.1, quant_ratio=0.1, retier_interval=8, recent_window=8, sink_tokens=2)
+    _, ref, plain = generate(qwen2, "tiered", ids, new_tokens=96, **params)
+    _, logits, mirrored = generate(qwen2, "tiered", ids, new_tokens=96, t1_on_device=True, **params)
+    assert torch.equal(logits, ref)
+    a, b = plain.stats(), mirrored.stats()
+    assert a["tokens"] == b["tokens"] and b["tokens"]["T1"] > 0 and b["tokens"]["T2"] > 0
+    # streamed once per layer and reassignment instead of once per layer and step
+    assert 0 < b["transfer"]["stream_h2d_bytes"] < a["transfer"]["stream_h2d_bytes"] / 4
+    assert b["allocated_bytes"]["device"] > a["allocated_bytes"]["device"]

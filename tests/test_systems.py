@@ -94,14 +94,15 @@ def test_cuda_tiered_matches_full_bitwise():
 def test_bench_cpu_json_schema(tmp_path):
     out = tmp_path / "bench.json"
     res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "32", "--new-tokens", "4",
-                              "--batch", "1,2", "--hbm-ratio", "0.3,0.5", "--evict-ratio", "0.03", "--repeats", "1", "--recent-window", "8",
+                              "--batch", "1,2", "--hbm-ratio", "0.3,0.5", "--evict-ratio", "0.03", "--repeats", "1", "--recent-window", "8", "--t1-on-device",
                               "--device", "cpu", "--dtype", "fp32", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert "kvtier bench" in res.output and "tiered" in res.output
     data = json.loads(out.read_text())
     assert {"date", "device", "torch", "transformers", "config", "memcpy_peak_gbps", "results", "warmup_steps"} <= set(data)
     rows = data["results"]
-    assert [(r["batch"], r["policy"]) for r in rows] == [(b, p) for b in (1, 2) for p in ("stock_sdpa", "full", "tiered", "tiered")]
+    assert [(r["batch"], r["policy"]) for r in rows] == [(b, p) for b in (1, 2) for p in ("stock_sdpa", "full") + ("tiered",) * 4]
+    assert sum(bool(r["params"].get("t1_on_device")) for r in rows) == 4
     common = {"batch", "policy", "params", "decode_tok_s", "ms_per_step", "ratio_to_full", "ratio_to_stock",
               "peak_device_bytes", "kv_bytes", "allocated_bytes", "seconds_repeats"}
     for r in rows:

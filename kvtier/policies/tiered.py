@@ -2,6 +2,10 @@
 
 Protected tokens (the prompt by default, ``sink_tokens`` first and ``recent_window`` last tokens) stay in T0.
 Every ``retier_interval`` decode steps the rest are ranked by cumulative attention and split by the ratios.
+
+``t1_on_device=True`` keeps a device copy of the assembled tiers between reassignments: T1/T2 then cross the bus
+once per reassignment instead of every step, at the price of device memory (that of the full cache). Outputs
+are unchanged (bit for bit); the benchmark shows the trade.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ class TieredPolicy(Policy):
         sink_tokens: int = 4,
         recent_window: int = 128,
         protect_prompt: bool = True,
+        t1_on_device: bool = False,
     ) -> KVTierCache:
         cfg = TierConfig(hbm_ratio, quant_ratio, evict_ratio, retier_interval, sink_tokens, recent_window, protect_prompt)
-        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name)
+        if not isinstance(t1_on_device, bool):
+            raise ValueError(f"t1_on_device must be True or False for policy 'tiered', got {t1_on_device!r}")
+        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name, t1_on_device=t1_on_device)
