@@ -112,7 +112,11 @@ def test_bench_cpu_json_schema(tmp_path):
         if r["policy"] == "tiered":
             assert {"transfer_seconds", "transfer_share", "h2d_gbps", "h2d_fraction_of_peak", "h2d_bytes_per_step",
                     "migration_bytes_per_step", "tokens", "retiers", "h2d_floor_ms_per_step"} <= set(r)
-            assert r["h2d_bytes_per_step"] > 0 and r["retiers"] >= 1
+            assert r["retiers"] >= 1
+            if r["params"].get("t1_on_device"):  # streams only at reassignments, maybe none in 4 timed steps
+                assert r["h2d_bytes_per_step"] >= 0
+            else:
+                assert r["h2d_bytes_per_step"] > 0
     assert [r["ratio_to_full"] for r in rows if r["policy"] == "full"] == [1.0, 1.0]
 
 
