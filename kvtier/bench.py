@@ -13,7 +13,7 @@ import logging
 import platform
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import Callable
 
@@ -42,7 +42,6 @@ class BenchConfig:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("context", "new_tokens", "repeats", "retier_interval"):
@@ -144,8 +143,9 @@ def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, 
 
 def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None) -> dict:
     """Run the benchmark; returns a JSON-ready dict (``results``: one row per batch x configuration)."""
-    import kvtier
     from transformers import DynamicCache
+
+    import kvtier
 
     device = resolve_device(cfg.device)
     model, _ = load_model(cfg.model, device=str(device), dtype=cfg.dtype, seed=cfg.seed)

@@ -19,7 +19,7 @@ from .config import TierConfig
 from .layer_base import KVTierLayer, check_update, prompt_validity
 from .layout import TAIL, Layout, build_layout, dest_rows
 from .planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
-from .quant import dequantize, quantize
+from .quant import dequantize, int8_bytes_per_token, quantize
 from .transfer import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -508,7 +508,7 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
     L, H, D = st.num_layers, st.n_heads, st.head_dim
     elem = torch.empty(0, dtype=st.dtype).element_size()
     bpt_fp = L * H * D * 2 * elem  # K and V, all layers
-    bpt_q = L * H * (D + 4) * 2  # int8 values + one float32 scale per (token, head), K and V
+    bpt_q = int8_bytes_per_token(L, H, D)
     logical = int(valid.sum())
     st.engine.resolve_timings()
     c = st.engine.counters

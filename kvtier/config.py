@@ -11,7 +11,7 @@ Budgets are fractions of each sequence's *logical* length N (prompt + generated,
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 # Float ratios such as 0.29 * 100 land a hair under the integer; this keeps floor() honest.
 _FLOOR_EPS = 1e-9
@@ -74,7 +74,3 @@ class TierConfig:
         _check_nonneg_int("recent_window", self.recent_window)
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"protect_prompt must be True or False, got {self.protect_prompt!r}")
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]

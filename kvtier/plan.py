@@ -12,6 +12,7 @@ from pathlib import Path
 
 from .config import TierConfig, budget
 from .models import HUB_SHAPES, PRESETS, ModelLoadError, preset_config
+from .quant import int8_bytes_per_token
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
@@ -34,7 +35,7 @@ class Shape:
 
     def int8_bytes_per_token(self) -> int:
         """T2: int8 values plus one float32 scale per (token, kv-head), K and V, all layers."""
-        return self.layers * self.kv_heads * (self.head_dim + 4) * 2
+        return int8_bytes_per_token(self.layers, self.kv_heads, self.head_dim)
 
     def n_params(self) -> int:
         attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2

@@ -29,6 +29,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     return (q.float() * scale).to(dtype)
 
 
-def int8_bytes_per_element_row(head_dim: int) -> int:
-    """Bytes of one (token, head) row of K or V in T2: D int8 values plus one float32 scale."""
-    return head_dim + 4
+def int8_bytes_per_token(layers: int, kv_heads: int, head_dim: int) -> int:
+    """T2 bytes of one token over all layers: K and V, each D int8 values plus one float32 scale per kv-head."""
+    return layers * kv_heads * (head_dim + 4) * 2
