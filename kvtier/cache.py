@@ -474,6 +474,28 @@ class KVTierCache(Cache):
     def stats(self) -> dict[str, Any]:
         return cache_stats(self.state, self.layers)
 
+    def tier_map(self) -> torch.Tensor:
+        """(B, N) int8 on the host: the tier of every logical position, 0-3 for T0-T3 (new tokens waiting for
+        the next reassignment are on the device: 0), -1 for left padding. N = prompt + generated so far."""
+        st = self.state
+        if st.batch is None:
+            return torch.zeros(0, 0, dtype=torch.int8)
+        n = st.n_total
+        lt = st.loc_tier[:, :n].clone()
+        lt[lt == TAIL] = T0
+        lt[~st.valid[:, :n]] = PAD
+        return lt
+
+    def kept_mask(self) -> torch.Tensor:
+        """(L, B, H_kv, N) bool on the host: True where the position's K/V is still held (any tier) in that layer
+        and kv-head. The tiered family decides per position, so every layer and head agree."""
+        st = self.state
+        if st.batch is None:
+            return torch.zeros(self.state.num_layers, 0, 0, 0, dtype=torch.bool)
+        tm = self.tier_map()
+        kept = (tm >= 0) & (tm != T3)
+        return kept.view(1, st.batch, 1, -1).expand(st.num_layers, -1, st.n_heads, -1).clone()
+
     def row_tokens(self, row: int) -> dict[str, int]:
         """Tier token counts of one batch row (padding excluded)."""
         st = self.state

@@ -52,6 +52,16 @@ def _ints(s: str, name: str) -> list[int]:
         _fail(f"{name} must be comma-separated integers, got {s!r}")
 
 
+def _int_option(name: str, x) -> int:
+    """An integer from a flag or a config file (``"128"`` or ``128``); a clear error otherwise."""
+    if isinstance(x, bool):
+        raise ValueError(f"{name} must be integers, got {x!r}")
+    try:
+        return int(str(x).strip())
+    except ValueError:
+        raise ValueError(f"{name} must be comma-separated integers, got {x!r}") from None
+
+
 def _parse_params(pairs: list[str]) -> dict:
     out = {}
     for p in pairs or []:
@@ -185,6 +195,9 @@ def sweep(
     evict_ratio: str = typer.Option("0.03,0.1,0.25,0.5", help="comma-separated; baselines get budget = 1 - ratio"),
     hbm_ratio: str = typer.Option("0.3,0.5,0.7", help="comma-separated (tiered, quant)"),
     quant_ratio: float = typer.Option(0.0, help="tiered T2 fraction for every grid point"),
+    compare: str = typer.Option("equal-eviction", help="baselines: equal-eviction (budget = 1 - evict ratio), "
+                                "equal-memory (the hierarchy's T0 tokens at each hbm ratio), or both"),
+    budget_tokens: str = typer.Option("", help="comma-separated absolute budgets for the baselines, e.g. 128,256,512"),
     config: Optional[Path] = typer.Option(None, help="JSON/TOML file with these keys (+ policy_params); options given here win"),
     limit: Optional[int] = typer.Option(None),
     out: Path = typer.Option(Path("runs/sweep")),
@@ -216,6 +229,8 @@ def sweep(
             hbm_ratios=[float(x) for x in as_list(file.get("hbm_ratio", hbm_ratio))],
             quant_ratio=float(file.get("quant_ratio", quant_ratio)),
             policy_params=file.get("policy_params"),
+            compare=file.get("compare", compare),
+            budget_tokens=[_int_option("--budget-tokens", x) for x in as_list(file.get("budget_tokens", budget_tokens))],
             limit=file.get("limit", limit),
             max_new_tokens=file.get("max_new_tokens", max_new_tokens or _default_max_new(device)),
             temperature=file.get("temperature", temperature),

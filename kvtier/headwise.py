@@ -25,10 +25,17 @@ from .layer_base import KVTierLayer, check_update, prompt_validity
 
 @dataclass(frozen=True)
 class EvictionBudget:
-    """How many tokens a row may keep: ``budget_ratio`` of its logical length, or ``budget_tokens``."""
+    """How many tokens a row may keep: ``budget_ratio`` of its logical length, or ``budget_tokens``.
+
+    ``budget_floor`` (equal-memory comparisons): when set, a row's budget is at least its prompt plus its
+    ``budget_floor`` newest generated tokens. The tiered planner keeps ``max(|protected|, floor(hbm_ratio * N))``
+    tokens in T0 with protected = prompt + sinks + the last ``recent_window`` tokens, so
+    ``budget_ratio=hbm_ratio, budget_floor=recent_window`` gives a baseline exactly that many device tokens.
+    """
 
     budget_ratio: float | None = None
     budget_tokens: int | None = None
+    budget_floor: int | None = None
 
     def __post_init__(self) -> None:
         if (self.budget_ratio is None) == (self.budget_tokens is None):
@@ -41,16 +48,29 @@ class EvictionBudget:
             t = self.budget_tokens
             if isinstance(t, bool) or not isinstance(t, int) or t < 1:
                 raise ValueError(f"budget_tokens must be an integer >= 1, got {t!r}")
+        f = self.budget_floor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 0):
+            raise ValueError(f"budget_floor must be None or an integer >= 0 (generated tokens on top of the prompt), got {f!r}")
 
-    def per_row(self, n_real: torch.Tensor) -> torch.Tensor:
-        """(B,) long budgets for rows of (B,) real lengths."""
+    def per_row(self, n_real: torch.Tensor, n_prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) long budgets for rows of (B,) real lengths (``n_prompt`` (B,): real prompt lengths, for the floor)."""
         if self.budget_tokens is not None:
-            return torch.clamp(n_real, max=self.budget_tokens)
-        return torch.tensor([max(1, floor_budget(self.budget_ratio, int(n))) for n in n_real.tolist()], dtype=torch.long)
+            b = torch.clamp(n_real, max=self.budget_tokens)
+        else:
+            b = torch.tensor([max(1, floor_budget(self.budget_ratio, int(n))) for n in n_real.tolist()], dtype=torch.long)
+        if self.budget_floor is not None and n_prompt is not None:
+            b = torch.maximum(b, n_prompt + torch.clamp(n_real - n_prompt, max=self.budget_floor))
+        return b
 
 
 class Scorer:
-    """Policy hooks. ``priority`` returns (B, H, S) float, higher = keep; +inf forces a keep."""
+    """Policy hooks.
+
+    A compression keeps, per (row, kv-head), every *forced* slot — the policy's must-keep set (``must_keep``:
+    the first ``sinks`` real tokens and the ``recent`` newest, at least the newest token) plus the prompt when it
+    is protected — and spends what remains of the budget on the highest ``scores``. When the forced set alone
+    exceeds the budget, all of it is kept and nothing else.
+    """
 
     name = "scorer"
     slot_fields: tuple[str, ...] = ()  # per-slot (B, H, cap) float32 tensors the layer keeps aligned with K/V
@@ -61,15 +81,41 @@ class Scorer:
     def after_decode(self, layer: "HeadwiseLayer", query: torch.Tensor, probs: torch.Tensor, scaling: float) -> None:
         pass
 
-    def should_compress(self, layer: "HeadwiseLayer", counts: torch.Tensor, budgets: torch.Tensor) -> bool:
-        return bool((counts > budgets).any())
+    def should_compress(self, layer: "HeadwiseLayer", counts: torch.Tensor, limits: torch.Tensor) -> bool:
+        """Whether to compress now; ``limits`` (B,) is what each row may keep (budget, raised to the forced set)."""
+        return bool((counts > limits).any())
 
-    def priority(self, layer: "HeadwiseLayer", budgets: torch.Tensor, scaling: float) -> torch.Tensor:
+    def must_keep(self, state: "HeadwiseState", budgets: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """(sinks, recent): the first ``sinks`` real positions and the ``recent[b]`` (B,) newest positions of each
+        row are kept whatever their score. ``recent`` is at least 1 (the newest token)."""
+        return 0, torch.ones_like(budgets)
+
+    def scores(self, layer: "HeadwiseLayer", budgets: torch.Tensor, scaling: float) -> torch.Tensor:
+        """(B, H, S) float: the policy's keep score per slot, higher = keep (forced slots are kept anyway)."""
         raise NotImplementedError
 
     def budgets(self, state: "HeadwiseState") -> torch.Tensor:
         """(B,) tokens each row may keep; by default the budget applies to the whole logical length."""
-        return state.budget.per_row(state.n_real)
+        return state.budget.per_row(state.n_real, state.n_prompt)
+
+
+def forced_count(n_total: int, n_real: torch.Tensor, prompt_end: int | None, sinks: int, recent: torch.Tensor) -> torch.Tensor:
+    """(B,) size of the forced set per row, by interval arithmetic on the host (no device wait).
+
+    Real positions of a row are [pad, n_total) with pad = n_total - n_real (left padding). The forced set is
+    [pad, max(pad + sinks, prompt_end)) (sinks, and the protected prompt ``[pad, prompt_end)`` when given) united
+    with the ``recent`` newest positions [n_total - recent, n_total).
+    """
+    pad = n_total - n_real
+    head_end = torch.clamp(pad + sinks, max=n_total)
+    if prompt_end is not None:
+        head_end = torch.maximum(head_end, torch.full_like(pad, prompt_end))
+    head = head_end - pad
+    rec_start = torch.clamp(n_total - recent, min=0)
+    rec_start = torch.maximum(rec_start, pad)
+    rec = n_total - rec_start
+    overlap = torch.clamp(head_end - rec_start, min=0)
+    return head + rec - overlap
 
 
 class HeadwiseState:
@@ -98,6 +144,9 @@ class HeadwiseState:
         # Host-side counts, kept by arithmetic so that a decode step never waits for the device.
         self.n_real: torch.Tensor | None = None  # (B,) real positions per row
         self.n_prompt: torch.Tensor | None = None  # (B,) real prompt positions per row
+        self.prompt_end = 0  # padded prompt length: the prompt is positions [pad, prompt_end)
+        self.last_budgets: torch.Tensor | None = None  # (B,) the policy's budget at the last step
+        self.last_limits: torch.Tensor | None = None  # (B,) budget raised to the forced set at the last step
 
     def begin_update(self, k: torch.Tensor) -> None:
         q = k.shape[2]
@@ -119,6 +168,7 @@ class HeadwiseState:
         self.valid[:, self.n_total : need] = True
         if self.n_total == 0:
             self.prompt[:, :need] = True
+            self.prompt_end = need
             self.n_real = torch.full((self.batch,), q, dtype=torch.long)
             self.n_prompt = self.n_real.clone()
         else:
@@ -138,6 +188,16 @@ class HeadwiseState:
     def budgets(self) -> torch.Tensor:
         """(B,) long per-row budgets (the scorer decides what the budget covers)."""
         return self.scorer.budgets(self)
+
+    def must_keep(self, budgets: torch.Tensor) -> tuple[int, torch.Tensor]:
+        sinks, recent = self.scorer.must_keep(self, budgets)
+        return int(sinks), torch.clamp(recent.long(), min=1)
+
+    def limits(self, budgets: torch.Tensor) -> torch.Tensor:
+        """(B,) what each row may keep: its budget, raised to the forced set (protected prompt + must-keep)."""
+        sinks, recent = self.must_keep(budgets)
+        forced = forced_count(self.n_total, self.n_real, self.prompt_end if self.protect_prompt else None, sinks, recent)
+        return torch.minimum(torch.maximum(budgets, forced), self.n_real)
 
 
 class HeadwiseLayer(KVTierLayer):
@@ -197,10 +257,7 @@ class HeadwiseLayer(KVTierLayer):
     # ---- views -------------------------------------------------------------------------------
     def slot_valid(self) -> torch.Tensor:
         """(B, H, S) bool: slot holds a real, kept token."""
-        st = self.state
-        p = self.pos[:, :, : self.S]
-        idx = torch.where(p >= 0, p, st.cap).reshape(st.batch, -1)
-        return torch.gather(st.valid, 1, idx).view_as(p)
+        return self._gather_state(self.state.valid)
 
     def kept_counts(self) -> torch.Tensor:
         """(B,) real tokens kept per row (the same for every head), read from the device (reference for tests)."""
@@ -229,40 +286,57 @@ class HeadwiseLayer(KVTierLayer):
         # Every row gained its q new real tokens (the prompt: its real length), and compression keeps exactly
         # min(kept, budget) per row, so the counts follow by arithmetic.
         self.counts = st.n_real.clone() if q > 1 or self.counts is None else self.counts + q
-        budgets = self.effective_budgets()
+        budgets = st.budgets()
+        limits = st.limits(budgets)
         if self.layer_idx == 0:
             st.peak_tokens = max(st.peak_tokens, int(self.counts.sum()))
-        if st.scorer.should_compress(self, self.counts, budgets):
-            self.compress(budgets, scaling)
-            self.counts = torch.minimum(self.counts, budgets)
+            st.last_budgets, st.last_limits = budgets, limits
+        if st.scorer.should_compress(self, self.counts, limits):
+            self.compress(budgets, limits, scaling)
+            self.counts = torch.minimum(self.counts, limits)
         return out.transpose(1, 2).contiguous(), None
+
+    def _gather_state(self, table: torch.Tensor) -> torch.Tensor:
+        """(B, H, S) bool: ``table`` (B, cap + 1) read at each slot's position (empty slots read False)."""
+        st = self.state
+        p = self.pos[:, :, : self.S]
+        idx = torch.where(p >= 0, p, st.cap).reshape(st.batch, -1)
+        return torch.gather(table, 1, idx).view_as(p)
 
     def protected(self) -> torch.Tensor:
         """(B, H, S) bool: slots kept regardless of score (the prompt, when ``protect_prompt``)."""
-        st = self.state
-        if not st.protect_prompt:
+        if not self.state.protect_prompt:
             return torch.zeros(self.pos[:, :, : self.S].shape, dtype=torch.bool, device=self.device)
-        p = self.pos[:, :, : self.S]
-        idx = torch.where(p >= 0, p, st.cap).reshape(st.batch, -1)
-        return torch.gather(st.prompt, 1, idx).view_as(p)
+        return self._gather_state(self.state.prompt)
 
-    def effective_budgets(self) -> torch.Tensor:
-        """Per-row budgets, raised to the protected count when the prompt is protected."""
-        b = self.state.budgets()
-        if self.state.protect_prompt:
-            b = torch.maximum(b, self.state.n_prompt)
-        return b
-
-    def compress(self, budgets: torch.Tensor, scaling: float) -> None:
-        """Keep the ``budgets[b]`` highest-priority real tokens per (row, head), in position order."""
+    def forced(self, budgets: torch.Tensor) -> torch.Tensor:
+        """(B, H, S) bool: real slots kept whatever their score — the policy's sinks and recent tokens, and
+        the prompt when protected."""
         st = self.state
-        prio = st.scorer.priority(self, budgets, scaling).float()
-        prio = torch.where(self.protected(), torch.full_like(prio, math.inf), prio)
+        sinks, recent = st.must_keep(budgets)
+        pos = self.pos[:, :, : self.S]
+        pad = (st.n_total - st.n_real).to(self.device).view(-1, 1, 1)
+        keep = pos >= (st.n_total - recent.to(self.device).view(-1, 1, 1))
+        if sinks > 0:
+            keep |= (pos - pad) < sinks
+        return (keep | self.protected()) & self.slot_valid()
+
+    def compress(self, budgets: torch.Tensor, limits: torch.Tensor, scaling: float) -> None:
+        """Keep, per (row, head), the forced slots and then the highest scores up to ``limits[b]`` real tokens,
+        in position order. Equal scores: the newer token wins."""
+        st = self.state
+        score = torch.nan_to_num(st.scorer.scores(self, budgets, scaling).float(), nan=-math.inf, posinf=math.inf)
+        # The forced slots rank above every score (+inf), so the remaining budget goes to the best scores;
+        # their number is the same in every head (positional sets), so no head can crowd another's out.
+        prio = torch.where(self.forced(budgets), torch.full_like(score, math.inf), score.clamp(max=torch.finfo(torch.float32).max))
         valid = self.slot_valid()
         prio = torch.where(valid, prio, torch.full_like(prio, -math.inf))
-        keep_n = min(int(budgets.max()), self.S)
-        top = torch.topk(prio, keep_n, dim=-1, sorted=True).indices  # (B, H, keep_n), best first
-        rank_ok = torch.arange(keep_n, device=self.device).view(1, 1, -1) < budgets.to(self.device).view(-1, 1, 1)
+        keep_n = min(int(limits.max()), self.S)
+        # Slots are in position order, so a stable sort of the reversed slots breaks score ties towards the
+        # newer token (as the tiered planner does) instead of leaving them to topk's unspecified order.
+        order = torch.sort(prio.flip(-1), dim=-1, descending=True, stable=True).indices[..., :keep_n]
+        top = self.S - 1 - order  # (B, H, keep_n), best first
+        rank_ok = torch.arange(keep_n, device=self.device).view(1, 1, -1) < limits.to(self.device).view(-1, 1, 1)
         kept_valid = torch.gather(valid, 2, top) & rank_ok
         pos = torch.gather(self.pos[:, :, : self.S], 2, top)
         pos = torch.where(kept_valid, pos, torch.full_like(pos, -1))
@@ -324,7 +398,33 @@ class HeadwiseCache(Cache):
             "retiers": st.compressions,
             "decode_steps": st.decode_steps,
             "peak_device_kv_bytes": st.peak_tokens * bpt,
+            # what the policy's budget allowed vs what was kept: the forced set (protected prompt + the
+            # policy's own sinks/window/newest) can exceed the budget, and then all of it is kept
+            "budget": {
+                "tokens": int(st.last_budgets.sum()) if st.last_budgets is not None else 0,
+                "limit_tokens": int(st.last_limits.sum()) if st.last_limits is not None else 0,
+                "rows_over_budget": int((st.last_limits > st.last_budgets).sum()) if st.last_limits is not None else 0,
+            },
         }
+
+    def kept_mask(self) -> torch.Tensor:
+        """(L, B, H_kv, N) bool on the host: True where the position's K/V is still held in that layer and
+        kv-head. N = prompt + generated so far (padding included, never kept)."""
+        st = self.state
+        if st.batch is None:
+            return torch.zeros(st.num_layers, 0, 0, 0, dtype=torch.bool)
+        out = torch.zeros(st.num_layers, st.batch, st.n_heads, st.n_total + 1, dtype=torch.bool)
+        for i, layer in enumerate(self.layers):
+            pos = layer.pos[:, :, : layer.S].cpu()
+            ok = layer.slot_valid().cpu()
+            idx = torch.where(ok, pos, torch.full_like(pos, st.n_total))  # dropped slots land in the spare column
+            out[i].scatter_(-1, idx, True)
+        return out[..., : st.n_total]
+
+    def row_budget(self, row: int) -> int | None:
+        """What row ``row`` was allowed to keep at the last step: its budget, raised to its forced set."""
+        st = self.state
+        return None if st.last_limits is None else int(st.last_limits[row])
 
     def row_tokens(self, row: int) -> dict[str, int]:
         st = self.state

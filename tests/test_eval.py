@@ -22,7 +22,7 @@ TINY = ["--model", "random:tiny-qwen2", "--dtype", "fp32", "--device", "cpu"]
 FIELDS = {
     "benchmark", "id", "sample", "config_key", "policy", "params", "model", "max_new_tokens", "temperature", "top_p",
     "seed", "completion", "extracted", "gold", "correct", "prompt_tokens", "generated_tokens", "tier_tokens",
-    "tier_bytes", "peak_device_kv_bytes", "streamed_bytes", "moved_bytes", "batch_size", "batch_seconds", "seconds",
+    "tier_bytes", "budget_tokens", "peak_device_kv_bytes", "streamed_bytes", "moved_bytes", "batch_size", "batch_seconds", "seconds",
 }
 
 
@@ -167,3 +167,47 @@ def test_sweep_from_a_config_file(tmp_path):
     ])
     res = runner.invoke(app, ["sweep", *TINY, "--config", str(tmp_path / "missing.json"), "--out", str(out)])
     assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def test_sweep_compares_at_equal_eviction_equal_memory_and_fixed_budgets(tmp_path):
+    """One config file, both comparisons and absolute budgets; the report labels each row and its budget."""
+    cfg = {"benchmark": "gsm8k", "policy": "full,tiered,h2o,snapkv_decode,snapkv", "evict_ratio": "0.5",
+           "hbm_ratio": [0.3], "compare": "both", "budget_tokens": "40", "limit": 2, "max_new_tokens": 10,
+           "policy_params": {"tiered": {"recent_window": 4, "retier_interval": 4}, "snapkv_decode": {"buffer": 4}}}
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "grid"
+    res = runner.invoke(app, ["sweep", *TINY, "--config", str(path), "--data-dir", str(DATA_DIR), "--out", str(out),
+                              "--batch-size", "2"])
+    assert res.exit_code == 0, res.output
+    recs = _records(out)
+    got = {(r["policy"], json.dumps({k: v for k, v in r["params"].items() if k != "buffer"}, sort_keys=True)) for r in recs}
+    want = {("full", "{}"), ("tiered", json.dumps({"evict_ratio": 0.5, "hbm_ratio": 0.3, "quant_ratio": 0.0,
+                                                   "recent_window": 4, "retier_interval": 4}, sort_keys=True))}
+    for pol in ("h2o", "snapkv_decode"):
+        want |= {(pol, '{"budget_ratio": 0.5}'), (pol, '{"budget_floor": 4, "budget_ratio": 0.3}'), (pol, '{"budget_tokens": 40}')}
+    want |= {("snapkv", '{"budget_ratio": 0.5}'), ("snapkv", '{"budget_tokens": 40}')}  # no equal memory: prompt-only
+    assert got == want
+    for r in recs:
+        if r["policy"] in ("h2o", "snapkv_decode", "snapkv"):
+            assert r["budget_tokens"] >= 1 and r["tier_tokens"]["T0"] <= r["budget_tokens"] + 4
+        else:
+            assert r["budget_tokens"] is None
+    res = runner.invoke(app, ["report", str(out)])
+    assert res.exit_code == 0, res.output
+    md = (out / "summary.md").read_text()
+    for label in ("equal memory (hbm 0.3)", "equal eviction (0.5)", "fixed budget (40 tokens)", "reference", "hierarchy"):
+        assert label in md
+    rows = json.loads((out / "summary.json").read_text())["configs"]
+    mem = [r for r in rows if r["comparison"].startswith("equal memory")]
+    assert len(mem) == 2 and all(r["evict_ratio"] is None and r["mean_budget_tokens"] > 0 for r in mem)
+
+
+@pytest.mark.parametrize("args, message", [(["--compare", "same-memory"], "--compare"),
+                                           (["--budget-tokens", "12,x"], "--budget-tokens"),
+                                           (["--budget-tokens", "0"], "--budget-tokens")])
+def test_sweep_bad_comparison_flags(tmp_path, args, message):
+    res = runner.invoke(app, ["sweep", *TINY, "--policy", "full,h2o", "--limit", "1", "--data-dir", str(DATA_DIR),
+                              "--out", str(tmp_path / "x"), *args])
+    assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "x" / "records.jsonl").exists()

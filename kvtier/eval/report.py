@@ -18,14 +18,32 @@ def _base(r: dict) -> tuple:
 
 
 def eviction_ratio(policy: str, params: dict) -> float | None:
-    """The configured eviction ratio of a policy (1 - budget for the eviction baselines)."""
+    """The configured eviction ratio of a policy (1 - budget for the equal-eviction baselines; None for
+    equal-memory and absolute budgets, which are not set by an eviction ratio)."""
     if policy == "full":
         return 0.0
     if "evict_ratio" in params:
         return float(params["evict_ratio"])
+    if params.get("budget_floor") is not None:
+        return None
     if "budget_ratio" in params and params["budget_ratio"] is not None:
         return round(1.0 - float(params["budget_ratio"]), 6)
     return None
+
+
+def comparison(policy: str, params: dict) -> str:
+    """Which comparison a configuration belongs to (how its budget was set)."""
+    if policy == "full":
+        return "reference"
+    if policy in ("tiered", "evict", "quant"):
+        return "hierarchy" if policy == "tiered" else "ablation"
+    if params.get("budget_floor") is not None:
+        return f"equal memory (hbm {params.get('budget_ratio')})"
+    if params.get("budget_tokens") is not None:
+        return f"fixed budget ({params['budget_tokens']} tokens)"
+    if params.get("budget_ratio") is not None:
+        return f"equal eviction ({round(1.0 - float(params['budget_ratio']), 6)})"
+    return "–"
 
 
 def summarize(records: list[dict]) -> dict:
@@ -48,8 +66,13 @@ def summarize(records: list[dict]) -> dict:
             "benchmark": r0["benchmark"],
             "policy": r0["policy"],
             "params": r0["params"],
+            "comparison": comparison(r0["policy"], r0["params"]),
             "evict_ratio": eviction_ratio(r0["policy"], r0["params"]),
             "hbm_ratio": r0["params"].get("hbm_ratio"),
+            # device tokens each problem ended with, and (baselines) what its budget allowed
+            "mean_device_tokens": sum(r["tier_tokens"]["T0"] for r in recs) / n,
+            "mean_budget_tokens": (sum(r["budget_tokens"] for r in recs) / n
+                                   if all(r.get("budget_tokens") is not None for r in recs) else None),
             "n": n,
             "correct": k,
             "accuracy": k / n if n else 0.0,
@@ -126,7 +149,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
     rows = s["configs"]
     paths = {"json": out / "summary.json", "csv": out / "summary.csv", "md": out / "summary.md"}
     paths["json"].write_text(json.dumps(s, indent=2))
-    cols = ["benchmark", "policy", "evict_ratio", "hbm_ratio", "n", "accuracy", "ci_low", "ci_high", "retention",
+    cols = ["benchmark", "policy", "comparison", "evict_ratio", "hbm_ratio", "mean_budget_tokens", "mean_device_tokens", "n", "accuracy", "ci_low", "ci_high", "retention",
             "mcnemar_p", "identical_to_full", "mean_device_kv_bytes", "device_kv_vs_full", "mean_generated_tokens", "params"]
     with open(paths["csv"], "w", newline="") as f:
         w = csv.writer(f)
@@ -134,11 +157,15 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
         for r in rows:
             w.writerow([json.dumps(r.get(c)) if c == "params" else r.get(c) for c in cols])
     lines = ["# kvtier evaluation", "", f"{len(records)} records from `{run_dir}`.", "",
-             "| benchmark | policy | evict | hbm | n | accuracy (95% CI) | retention | McNemar p vs full | identical to full | device KV vs full |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "Budget: what a baseline's budget allowed at the end (mean tokens per problem, its forced set included); "
+             "device tokens: what each policy held on the device at the end.", "",
+             "| benchmark | policy | comparison | evict | hbm | budget (tokens) | device tokens | n | accuracy (95% CI) | retention | McNemar p vs full | identical to full | device KV vs full |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        budget = "–" if r.get("mean_budget_tokens") is None else f"{r['mean_budget_tokens']:.0f}"
         lines.append(
-            f"| {r['benchmark']} | {r['policy']} | {_fmt(r['evict_ratio'])} | {_fmt(r['hbm_ratio'])} | {r['n']} | "
+            f"| {r['benchmark']} | {r['policy']} | {r['comparison']} | {_fmt(r['evict_ratio'])} | {_fmt(r['hbm_ratio'])} | "
+            f"{budget} | {r['mean_device_tokens']:.0f} | {r['n']} | "
             f"{100 * r['accuracy']:.1f}% ({100 * r['ci_low']:.1f}–{100 * r['ci_high']:.1f}) | {_fmt(r.get('retention'), True)} | "
             f"{_fmt(r.get('mcnemar_p'))} | {_fmt(r.get('identical_to_full'), True)} | {_fmt(r.get('device_kv_vs_full'), True)} |"
         )
@@ -203,16 +230,40 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
             ax.set(xlabel="HBM ratio (T0)", ylabel="eviction ratio (T3)", title=f"{bench}: tiered accuracy (%)")
             fig.colorbar(im, ax=ax)
             paths[f"{bench}_heatmap"] = _save(fig, out / f"{bench}_hbm_evict_heatmap.png")
-        # 3. device KV memory vs accuracy
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for pol in sorted({r["policy"] for r in br}):
+        # 3. device KV memory vs accuracy, every policy and comparison on one figure
+        fig, ax = plt.subplots(figsize=(7.2, 4.6))
+        rel = all(r.get("device_kv_vs_full") is not None for r in br)
+        for i, pol in enumerate(sorted({r["policy"] for r in br})):
             pr = [r for r in br if r["policy"] == pol]
-            ax.scatter([r["mean_device_kv_bytes"] / 2**20 for r in pr], [100 * r["accuracy"] for r in pr], label=pol)
-        ax.set(xlabel="device KV per sequence at the end (MiB)", ylabel="accuracy (%)", title=f"{bench}: device memory vs accuracy")
+            xs = [100 * r["device_kv_vs_full"] if rel else r["mean_device_kv_bytes"] / 2**20 for r in pr]
+            ys = [100 * r["accuracy"] for r in pr]
+            err = [[max(0.0, 100 * (r["accuracy"] - r["ci_low"])) for r in pr], [max(0.0, 100 * (r["ci_high"] - r["accuracy"])) for r in pr]]
+            style = dict(marker="*", markersize=14, color="black") if pol == "full" else dict(marker=markers[i % len(markers)], markersize=7)
+            ax.errorbar(xs, ys, yerr=err, linestyle="none", capsize=2, alpha=0.85, label=pol, **style)
+            for x, y, r in zip(xs, ys, pr):
+                tag = _short(r)
+                if tag:
+                    ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        ax.set(xlabel="device KV at the end, % of full" if rel else "device KV per sequence at the end (MiB)",
+               ylabel="accuracy (%), 95% Wilson interval", title=f"{bench}: device memory vs accuracy")
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=8)
         paths[f"{bench}_memory"] = _save(fig, out / f"{bench}_memory_vs_accuracy.png")
     return paths
+
+
+def _short(r: dict) -> str:
+    """A point label: e = equal eviction ratio, m = equal memory at hbm, t = fixed tokens, h = tiered hbm."""
+    c = r["comparison"]
+    if c.startswith("equal memory"):
+        return f"m{r['params'].get('budget_ratio')}"
+    if c.startswith("fixed budget"):
+        return f"t{r['params'].get('budget_tokens')}"
+    if r["policy"] == "full":
+        return ""
+    if r["evict_ratio"] is not None:
+        return f"e{r['evict_ratio']:g}" + (f"/h{r['hbm_ratio']:g}" if r.get("hbm_ratio") is not None else "")
+    return ""
 
 
 def _save(fig, path: Path) -> Path:

@@ -92,9 +92,11 @@ def _row_stats(cache, row: int) -> dict:
     s = cache.stats()
     counts = cache.row_tokens(row)
     bpt = s.get("bytes_per_token", {})
+    row_budget = getattr(cache, "row_budget", None)
     return {
         "tier_tokens": counts,
         "tier_bytes": {t: counts[t] * bpt.get(t, 0) for t in ("T0", "T1", "T2")},
+        "budget_tokens": row_budget(row) if row_budget else None,
     }
 
 

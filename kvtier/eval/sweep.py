@@ -3,7 +3,14 @@
 - ``full`` runs once;
 - ``tiered``: every hbm ratio x every eviction ratio (``quant_ratio`` fixed);
 - ``evict``: every eviction ratio; ``quant``: every hbm ratio x eviction ratio;
-- eviction baselines (``h2o``, ``rkv``, ``streaming_llm``): ``budget_ratio = 1 - eviction ratio``.
+- eviction baselines (``h2o``, ``rkv``, ``snapkv_decode``, ``streaming_llm``, ``snapkv``), by ``compare``:
+
+  - ``equal-eviction``: ``budget_ratio = 1 - eviction ratio`` (the same share of tokens destroyed);
+  - ``equal-memory``: for every hbm ratio h, ``budget_ratio = h, budget_floor = tiered's recent_window`` — the
+    device tokens the hierarchy keeps in T0 at h (``max(|prompt + recent window|, floor(h * N))``), which the
+    baseline spends by its own score. Not for ``snapkv`` (its budget covers the prompt only);
+  - every ``budget_tokens`` value: an absolute budget (the R-KV code's ``--kv_budget``).
+
 Extra per-policy parameters come from ``policy_params`` (e.g. from a config file).
 """
 
@@ -15,14 +22,39 @@ from pathlib import Path
 from ..policies import get_policy
 from .runner import EvalConfig
 
+COMPARISONS = ("equal-eviction", "equal-memory")
+HIERARCHY = ("full", "tiered", "evict", "quant")
+
+
+def parse_compare(value) -> tuple[str, ...]:
+    """``"equal-eviction"``, ``"equal-memory"``, ``"both"`` or a comma-separated / list of the first two."""
+    items = value if isinstance(value, (list, tuple)) else [x.strip() for x in str(value).split(",") if x.strip()]
+    out: list[str] = []
+    for x in items:
+        for y in (COMPARISONS if x == "both" else (x,)):
+            if y not in COMPARISONS:
+                raise ValueError(f"--compare must be equal-eviction, equal-memory or both (comma-separated), got {x!r}")
+            if y not in out:
+                out.append(y)
+    if not out:
+        raise ValueError("--compare needs at least one of equal-eviction, equal-memory")
+    return tuple(out)
+
 
 def expand_grid(model: str, benchmarks: list[str], policies: list[str], evict_ratios: list[float],
                 hbm_ratios: list[float], quant_ratio: float = 0.0, policy_params: dict | None = None,
-                **gen) -> list[EvalConfig]:
+                compare=("equal-eviction",), budget_tokens=(), **gen) -> list[EvalConfig]:
     policy_params = policy_params or {}
+    compare = parse_compare(compare)
+    for k in budget_tokens:
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"--budget-tokens must be integers >= 1, got {k!r}")
     cfgs = []
     for pol in policies:
         get_policy(pol)
+    tiered_params = {**get_policy("tiered").params(), **policy_params.get("tiered", {})}
+    # the hierarchy's protected set is the prompt + its recent window (sinks lie inside the prompt)
+    floor = int(tiered_params["recent_window"]) if tiered_params.get("protect_prompt", True) else None
     for bench in benchmarks:
         for pol in policies:
             extra = dict(policy_params.get(pol, {}))
@@ -37,7 +69,12 @@ def expand_grid(model: str, benchmarks: list[str], policies: list[str], evict_ra
             elif pol == "quant":
                 grid = [dict(hbm_ratio=h, evict_ratio=e) for e in evict_ratios for h in hbm_ratios if h + e <= 1 + 1e-9]
             else:
-                grid = [dict(budget_ratio=round(1.0 - e, 6)) for e in evict_ratios if e < 1]
+                grid = []
+                if "equal-eviction" in compare:
+                    grid += [dict(budget_ratio=round(1.0 - e, 6)) for e in evict_ratios if e < 1]
+                if "equal-memory" in compare and pol != "snapkv":
+                    grid += [dict(budget_ratio=h, budget_floor=floor) for h in hbm_ratios if h > 0]
+                grid += [dict(budget_tokens=k) for k in budget_tokens]
             for params in grid:
                 cfgs.append(EvalConfig(model=model, benchmark=bench, policy=pol, params={**extra, **params}, **gen))
     return cfgs

@@ -9,12 +9,14 @@ from .h2o import H2OPolicy
 from .quant import QuantPolicy
 from .rkv import RKVPolicy
 from .snapkv import SnapKVPolicy
+from .snapkv_decode import SnapKVDecodePolicy
 from .streaming_llm import StreamingLLMPolicy
 from .tiered import TieredPolicy
 
 POLICIES: dict[str, type[Policy]] = {
     p.name: p
-    for p in (FullPolicy, TieredPolicy, EvictPolicy, QuantPolicy, StreamingLLMPolicy, H2OPolicy, RKVPolicy, SnapKVPolicy)
+    for p in (FullPolicy, TieredPolicy, EvictPolicy, QuantPolicy, StreamingLLMPolicy, H2OPolicy, RKVPolicy, SnapKVPolicy,
+              SnapKVDecodePolicy)
 }
 
 

@@ -1,19 +1,29 @@
 """``rkv``: R-KV (Cai et al., 2025, "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models").
 
-Per layer and kv-head, each time ``buffer`` new tokens have accumulated (and a row is over its budget):
+Follows the authors' released code (``Zefan-Cai/R-KV`` at d15c976: ``rkv/compression/r1_kv.py``,
+``rkv/utils.py``, ``rkv/modeling.py``); ``tests/reference/rkv_ref.py`` reproduces its kept sets. Per layer and
+kv-head, a compression keeps the ``window`` newest tokens and the top ``budget - window`` older ones by
 
 - importance: the attention logits of the last ``window`` queries on the older keys, pooled over the query
-  heads of a kv group by max (as the reference code does), softmax over the keys, mean over the window
-  queries, then max-pooled along the sequence (``kernel_size``, stride 1, same padding);
-- redundancy: cosine similarity between keys (diagonal zeroed); for every key, its most recent duplicate
-  (similarity > ``threshold``) has that similarity zeroed so the newest copy is protected; mean over rows,
-  softmax over keys;
-- score = ``lam`` * importance - (1 - ``lam``) * redundancy; keep the top ``budget - window`` older tokens
-  per kv-head plus the ``window`` most recent.
+  heads of a kv group by max (the code's ``compute_attention_scores``), softmax over the older keys, mean over
+  the window queries, then max-pooled along the sequence (``kernel_size``, stride 1, same padding);
+- redundancy: cosine similarity between all kept keys (diagonal zeroed); for every key, its most recent
+  duplicate (similarity > ``threshold``) has that similarity zeroed so the newest copy is protected; mean
+  over rows, softmax over keys;
+- score = ``lam`` * importance - (1 - ``lam``) * redundancy.
 
-Paper vs code: the paper states lambda = 0.1 (our default); the authors' code uses 0.07 (pass ``lam=0.07``).
-Padding slots (batch > 1) are left out of similarity rows, columns and the softmax. The prompt is not
-protected by default. Cache size: at most budget + ``buffer`` tokens (+1 incoming during attention).
+When: at prefill as soon as the prompt reaches the budget (the code calls ``update_kv`` on the prompt), then
+at every decode step whose preceding length (prompt + generated, padding included, as the code's
+``self.length``) is a multiple of ``buffer`` (the code's ``divide_length``, ``divide_method="step_length"``).
+Between compressions the cache grows by up to ``buffer`` tokens.
+
+lambda: the paper's text says 0.1, the released code (``--mix_lambda`` default, ``R1KV(mix_lambda=0.07)``)
+uses 0.07. kvtier defaults to the code's value; ``lam="code"`` (0.07) and ``lam="paper"`` (0.1) name them.
+Budgets: ``budget_tokens`` is the code's ``--kv_budget`` (128 ... 4096 in the paper); ``budget_ratio`` is a
+fraction of the current length. Differences, by design: kvtier attends before it compresses (the code
+compresses first, so the compressing step's attention sees fewer tokens; kept sets are the same); padding
+slots (batch > 1) are left out of similarity rows, columns and the softmax; with ``protect_prompt=True`` (off
+by default, as in the paper) the prompt is kept on top of the window and the scores fill what remains.
 """
 
 from __future__ import annotations
@@ -26,11 +36,16 @@ from ..layer_base import check_number
 from .base import Policy
 
 
+LAMBDAS = {"code": 0.07, "paper": 0.1}
+
+
 class RKVScorer(Scorer):
     name = "rkv"
 
-    def __init__(self, window: int, buffer: int, kernel_size: int, lam: float, threshold: float):
+    def __init__(self, window: int, buffer: int, kernel_size: int, lam: float, threshold: float,
+                 redundancy: bool = True):
         self.window, self.buffer, self.kernel_size, self.lam, self.threshold = window, buffer, kernel_size, lam, threshold
+        self.redundancy = redundancy
 
     def _remember(self, layer, query):
         prev = layer.aux.get("q")
@@ -39,33 +54,36 @@ class RKVScorer(Scorer):
 
     def after_prefill(self, layer, query, scaling):
         self._remember(layer, query)
-        layer.aux["since"] = 0
 
     def after_decode(self, layer, query, probs, scaling):
         self._remember(layer, query)
-        layer.aux["since"] = layer.aux.get("since", 0) + 1
 
-    def should_compress(self, layer, counts, budgets):
-        over = counts > budgets
-        if not over.any():
+    def should_compress(self, layer, counts, limits):
+        st = layer.state
+        if not bool((counts > limits).any()):
             return False
-        return layer.aux.get("since", 0) >= self.buffer or bool((counts > budgets + self.buffer).any())
+        # prefill: as soon as the prompt reaches the budget; decode: when the length before this step is a
+        # multiple of ``buffer`` (the authors' step_length schedule)
+        return st.decode_steps == 0 or (st.n_total - 1) % self.buffer == 0
 
-    def priority(self, layer, budgets, scaling):
-        layer.aux["since"] = 0
+    def must_keep(self, state, budgets):
+        return 0, torch.full_like(budgets, self.window)
+
+    def scores(self, layer, budgets, scaling):
         return rkv_scores(
             layer.aux["q"], layer.k[:, :, : layer.S], layer.slot_valid(), scaling,
-            self.window, self.kernel_size, self.lam, self.threshold,
+            self.window, self.kernel_size, self.lam, self.threshold, redundancy=self.redundancy,
         )
 
 
-def rkv_scores(q_win, keys, valid, scaling, window, kernel_size, lam, threshold):
+def rkv_scores(q_win, keys, valid, scaling, window, kernel_size, lam, threshold, redundancy=True):
     """R-KV keep-priority per slot.
 
     Args:
         q_win: (B, Hq, w, D) the last queries; keys: (B, H, S, D); valid: (B, H, S) bool.
     Returns:
         (B, H, S) float32: the score for older slots, +inf for the ``window`` most recent slots.
+        Without ``redundancy`` the score is the pooled importance alone (R-KV's decode-time SnapKV).
     """
     B, H, S, D = keys.shape
     Hq = q_win.shape[1]
@@ -81,6 +99,8 @@ def rkv_scores(q_win, keys, valid, scaling, window, kernel_size, lam, threshold)
     attn = torch.nan_to_num(torch.softmax(logits, dim=-1)).mean(dim=2)  # (B, H, past)
     importance = F.max_pool1d(attn.reshape(B * H, 1, past), kernel_size, stride=1, padding=kernel_size // 2)
     importance = importance.reshape(B, H, past)
+    if not redundancy:
+        return torch.cat([importance, torch.full((B, H, w), float("inf"), device=keys.device)], dim=-1)
     # redundancy
     kn = kf / (kf.norm(dim=-1, keepdim=True) + 1e-8)
     cos = torch.matmul(kn, kn.transpose(-1, -2))  # (B, H, S, S)
@@ -99,7 +119,7 @@ def rkv_scores(q_win, keys, valid, scaling, window, kernel_size, lam, threshold)
 
 class RKVPolicy(Policy):
     name = "rkv"
-    description = "importance minus redundancy, per kv-head (Cai et al. 2025)"
+    description = "importance minus redundancy, per kv-head (Cai et al. 2025; the authors' code)"
 
     @classmethod
     def build(
@@ -107,10 +127,11 @@ class RKVPolicy(Policy):
         num_layers: int,
         budget_ratio: float | None = None,
         budget_tokens: int | None = None,
+        budget_floor: int | None = None,
         window: int = 8,
         buffer: int = 128,
         kernel_size: int = 7,
-        lam: float = 0.1,
+        lam: float | str = 0.07,
         threshold: float = 0.5,
         protect_prompt: bool = False,
     ) -> HeadwiseCache:
@@ -118,7 +139,11 @@ class RKVPolicy(Policy):
             check_number(cls.name, name, val, 1, integer=True)
         if kernel_size % 2 == 0:
             raise ValueError(f"kernel_size must be odd for policy 'rkv' (same padding), got {kernel_size}")
+        if isinstance(lam, str):
+            if lam not in LAMBDAS:
+                raise ValueError(f"lam must be a number in [0, 1] or one of {sorted(LAMBDAS)} for policy 'rkv', got {lam!r}")
+            lam = LAMBDAS[lam]
         check_number(cls.name, "lam", lam, 0, 1)
         check_number(cls.name, "threshold", threshold, 0, 1)
-        budget = EvictionBudget(budget_ratio, budget_tokens)
+        budget = EvictionBudget(budget_ratio, budget_tokens, budget_floor)
         return HeadwiseCache(RKVScorer(window, buffer, kernel_size, lam, threshold), budget, num_layers, protect_prompt, cls.name)

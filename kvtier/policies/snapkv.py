@@ -1,10 +1,15 @@
 """``snapkv``: SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You Are Looking for Before Generation").
 
-Prompt-only compression, once, at the end of prefill: the last ``window`` prompt queries vote for the older
-prompt keys (softmax of their attention, summed over the window and over the query heads of a kv group),
-the votes are pooled along the sequence (``pooling`` "avg" as the authors' code, or "max"; ``kernel_size``)
-and each kv-head keeps the top ``budget - window`` older prompt tokens plus the window. Generated tokens are
-never evicted. The budget covers the prompt only: ``budget_tokens`` prompt tokens or ``budget_ratio`` of it.
+Prompt-only compression, once, at the end of prefill, as ``SnapKVCluster.update_kv`` in the authors' code
+(``FasterDecoding/SnapKV``, ``snapkv/monkeypatch/snapkv_utils.py``; ``tests/reference/snapkv_ref.py`` reproduces
+its kept sets): once the prompt reaches the budget, the last ``window`` prompt queries attend over *all* prompt
+keys (causal inside the window, softmax over every key a query sees), their weights on the older keys are
+summed over the window (and over the query heads of a kv group, which share their keys), pooled along the
+sequence (``pooling`` "avg" as the authors' default, or "max"; ``kernel_size``) and each kv-head keeps the top
+``budget - window`` older prompt tokens plus the window. Generated tokens are never evicted. The budget covers
+the prompt only: ``budget_tokens`` prompt tokens or ``budget_ratio`` of it.
+
+The R-KV paper's "SnapKV" row is a decode-time variant: ``snapkv_decode``.
 """
 
 from __future__ import annotations
@@ -31,9 +36,13 @@ def snapkv_scores(q_win: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, 
     w = min(q_win.shape[2], S - 1)
     past = S - w
     qg = q_win[:, :, -w:].float().reshape(B, H, g, w, D)
-    logits = torch.matmul(qg, keys[:, :, :past].float().transpose(-1, -2).unsqueeze(2)) * scaling  # (B, H, g, w, past)
-    logits = logits.masked_fill(~valid[:, :, None, None, :past], float("-inf"))
-    votes = torch.nan_to_num(torch.softmax(logits, dim=-1)).sum(dim=(2, 3))  # (B, H, past)
+    logits = torch.matmul(qg, keys.float().transpose(-1, -2).unsqueeze(2)) * scaling  # (B, H, g, w, S)
+    # query i of the window sits at position past + i and sees keys 0 .. past + i (and no padding)
+    causal = torch.arange(S, device=keys.device).view(1, -1) <= (past + torch.arange(w, device=keys.device)).view(-1, 1)
+    seen = causal.view(1, 1, 1, w, S) & valid[:, :, None, None, :]
+    logits = logits.masked_fill(~seen, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(logits, dim=-1))  # normalised over every key the query sees
+    votes = probs[..., :past].sum(dim=(2, 3))  # (B, H, past)
     pool = F.avg_pool1d if pooling == "avg" else F.max_pool1d
     votes = pool(votes.reshape(B * H, 1, past), kernel_size, stride=1, padding=kernel_size // 2).reshape(B, H, past)
     return torch.cat([votes, torch.full((B, H, w), float("inf"), device=keys.device)], dim=-1)
@@ -48,6 +57,9 @@ class SnapKVScorer(Scorer):
     def after_prefill(self, layer, query, scaling):
         layer.aux["q"] = query[:, :, -self.window :]
 
+    def must_keep(self, state, budgets):
+        return 0, torch.full_like(budgets, self.window)
+
     def budgets(self, state):
         # the budget applies to the prompt; every generated token is kept
         return state.budget.per_row(state.n_prompt) + (state.n_real - state.n_prompt)
@@ -55,7 +67,7 @@ class SnapKVScorer(Scorer):
     def should_compress(self, layer, counts, budgets):
         return layer.state.decode_steps == 0 and bool((counts > budgets).any())
 
-    def priority(self, layer, budgets, scaling):
+    def scores(self, layer, budgets, scaling):
         return snapkv_scores(layer.aux["q"], layer.k[:, :, : layer.S], layer.slot_valid(), scaling,
                              self.kernel_size, self.pooling)
 

@@ -1,9 +1,17 @@
 """``streaming_llm``: StreamingLLM (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks").
 
 Keeps the first ``sink_tokens`` real tokens (the attention sinks) and the most recent tokens up to the
-budget; no scores. Evicts at every step once a row is over its budget. The prompt is not protected
-(``protect_prompt=False``) as in the paper; set it to keep the prompt whole (the budget then grows to cover it).
-Cache size: at most the budget after each step, plus the one incoming token during attention.
+budget; no scores. Evicts at every step once a row is over its budget, as the authors' ``StartRecentKVCache``
+(``mit-han-lab/streaming-llm``, ``streaming_llm/kv_cache.py``) does after each forward: the kept set after a
+step is identical to theirs (``tests/reference/streaming_llm_ref.py``). Differences, by design:
+
+- kvtier attends before it evicts, so the step's attention sees the budget plus the incoming token;
+- tokens keep their original positions (RoPE is applied once, when a token is written): there is no
+  position shift (the authors' ``pos_shift`` variant re-rotates the kept keys into a contiguous range); an
+  evicted gap is simply absent, as in the authors' default path;
+- with ``protect_prompt=True`` (off by default, as in the paper) the whole prompt is kept on top of the sinks
+  and the newest token, and the rest of the budget goes to the most recent generated tokens; when the prompt
+  alone exceeds the budget only it and the newest token are kept (``stats()["budget"]`` shows it).
 """
 
 from __future__ import annotations
@@ -21,13 +29,11 @@ class SinkRecentScorer(Scorer):
     def __init__(self, sink_tokens: int):
         self.sink_tokens = sink_tokens
 
-    def priority(self, layer, budgets, scaling):
-        st = layer.state
-        pos = layer.pos[:, :, : layer.S]
-        first_real = st.valid[:, : st.n_total].float().argmax(dim=1)  # (B,) first non-padding position
-        is_sink = (pos - first_real.view(-1, 1, 1)) < self.sink_tokens
-        prio = pos.float()  # newer first
-        return torch.where(is_sink & (pos >= 0), torch.full_like(prio, float("inf")), prio)
+    def must_keep(self, state, budgets):
+        return self.sink_tokens, torch.ones_like(budgets)
+
+    def scores(self, layer, budgets, scaling):
+        return layer.pos[:, :, : layer.S].float()  # newer first
 
 
 class StreamingLLMPolicy(Policy):
@@ -40,9 +46,10 @@ class StreamingLLMPolicy(Policy):
         num_layers: int,
         budget_ratio: float | None = None,
         budget_tokens: int | None = None,
+        budget_floor: int | None = None,
         sink_tokens: int = 4,
         protect_prompt: bool = False,
     ) -> HeadwiseCache:
         check_number(cls.name, "sink_tokens", sink_tokens, 0, integer=True)
-        budget = EvictionBudget(budget_ratio, budget_tokens)
+        budget = EvictionBudget(budget_ratio, budget_tokens, budget_floor)
         return HeadwiseCache(SinkRecentScorer(sink_tokens), budget, num_layers, protect_prompt, cls.name)
