@@ -101,7 +101,8 @@ def generate(
     hbm_ratio: Optional[float] = typer.Option(None, help="tiered/quant: T0 fraction"),
     evict_ratio: Optional[float] = typer.Option(None, help="tiered/evict/quant: T3 fraction"),
     quant_ratio: Optional[float] = typer.Option(None, help="tiered: T2 fraction"),
-    budget_ratio: Optional[float] = typer.Option(None, help="h2o/rkv/streaming_llm: kept fraction"),
+    budget_ratio: Optional[float] = typer.Option(None, help="eviction baselines: kept fraction of the current length"),
+    budget_tokens: Optional[int] = typer.Option(None, help="eviction baselines: absolute budget in tokens"),
     param: list[str] = typer.Option([], help="any other policy parameter, key=value (repeatable)"),
     max_new_tokens: int = typer.Option(256),
     device: str = typer.Option("auto"),
@@ -116,7 +117,7 @@ def generate(
         from .models import chat_prompt
 
         params = {**_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
-                                   budget_ratio=budget_ratio), **_parse_params(param)}
+                                   budget_ratio=budget_ratio, budget_tokens=budget_tokens), **_parse_params(param)}
         kvtier.get_policy(policy).check_params(params)
         m, tok = kvtier.load_model(model, device=device, dtype=dtype)
         enc = tok([chat_prompt(tok, prompt)], return_tensors="pt").to(m.device)
@@ -146,7 +147,8 @@ def eval_cmd(
     hbm_ratio: Optional[float] = typer.Option(None),
     evict_ratio: Optional[float] = typer.Option(None),
     quant_ratio: Optional[float] = typer.Option(None),
-    budget_ratio: Optional[float] = typer.Option(None),
+    budget_ratio: Optional[float] = typer.Option(None, help="eviction baselines: kept fraction of the current length"),
+    budget_tokens: Optional[int] = typer.Option(None, help="eviction baselines: absolute budget in tokens"),
     param: list[str] = typer.Option([], help="any other policy parameter, key=value (repeatable)"),
     limit: Optional[int] = typer.Option(None, help="first N problems"),
     out: Path = typer.Option(Path("runs/eval"), help="run directory (records.jsonl is appended and resumed)"),
@@ -171,7 +173,7 @@ def eval_cmd(
             raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
 
         params = {**_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
-                                   budget_ratio=budget_ratio), **_parse_params(param)}
+                                   budget_ratio=budget_ratio, budget_tokens=budget_tokens), **_parse_params(param)}
         cfg = EvalConfig(model=model, benchmark=benchmark, policy=policy, params=params, limit=limit,
                          max_new_tokens=max_new_tokens or _default_max_new(device), temperature=temperature,
                          top_p=top_p, samples=samples, seed=seed)
