@@ -26,7 +26,11 @@ def make_cache(policy: str, model, **params) -> KVTierCache:
     prepare_model(model)
     from .attention import num_cache_layers
 
-    return cls.build(num_cache_layers(model), **params)
+    from .layer_base import model_shape
+
+    cache = cls.build(num_cache_layers(model), **params)
+    cache.model_shape = model_shape(model.config)  # (layers, kv-heads, head_dim): checked at the first prefill
+    return cache
 
 
 def load_model(*args, **kwargs):

@@ -49,6 +49,8 @@ def kvtier_attention(
         raise NotImplementedError("kvtier does not support sliding-window attention layers")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if layer.layer_idx == 0 and query.shape[2] > 1:
+        layer.check_model(module, key)
     return layer.attend(query, attention_mask, scaling)
 
 

@@ -50,10 +50,20 @@ class BenchConfig:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
             raise ValueError(f"batch sizes must be integers >= 1, got {self.batches!r}")
+        import math
+
         from .policies import get_policy
 
+        if not self.policies:
+            raise ValueError("--policy needs at least one policy")
         for p in self.policies:
             get_policy(p)
+        for name in ("hbm_ratios", "evict_ratios"):
+            for v in getattr(self, name):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= 1:
+                    raise ValueError(f"--{name[:-1].replace('_', '-')} values must be numbers in [0, 1], got {v!r}")
+        if isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int) or self.recent_window < 0:
+            raise ValueError(f"--recent-window must be an integer >= 0, got {self.recent_window!r}")
 
 
 def _sync(device: torch.device) -> None:
@@ -141,8 +151,11 @@ def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, 
     return rec
 
 
-def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None) -> dict:
-    """Run the benchmark; returns a JSON-ready dict (``results``: one row per batch x configuration)."""
+def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None,
+              on_rows: Callable[[dict], None] | None = None) -> dict:
+    """Run the benchmark; returns a JSON-ready dict (``results``: one row per batch x configuration).
+
+    ``on_rows`` gets the result so far each time a batch size's rows are finished (to save them as they come)."""
     from transformers import DynamicCache
 
     import kvtier
@@ -209,6 +222,14 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
             if row["batch"] == B:
                 row["ratio_to_full"] = row["decode_tok_s"] / base["full"]
                 row["ratio_to_stock"] = row["decode_tok_s"] / base["stock_sdpa"] if "stock_sdpa" in base else None
+        if on_rows:
+            on_rows(_result(cfg, device, warmup, peak, rows))
+    return _result(cfg, device, warmup, peak, rows)
+
+
+def _result(cfg: BenchConfig, device: torch.device, warmup: int, peak: float, rows: list[dict]) -> dict:
+    import kvtier
+
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",

@@ -13,10 +13,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache
 
 from .config import TierConfig
-from .layer_base import KVTierLayer, check_update, prompt_validity
+from .layer_base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
 from .layout import TAIL, Layout, build_layout, dest_rows
 from .planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
 from .quant import dequantize, int8_bytes_per_token, quantize
@@ -453,7 +452,7 @@ class TieredLayer(KVTierLayer):
         return out.reshape(B, Hq, 1, D).transpose(1, 2), None
 
 
-class KVTierCache(Cache):
+class KVTierCache(ShapeGuardedCache):
     """A transformers ``Cache`` whose tokens live in four tiers; built by :func:`kvtier.make_cache`."""
 
     def __init__(self, cfg: TierConfig, num_layers: int, retier: bool = True, policy: str = "tiered",

@@ -8,11 +8,40 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Tiered KV cache for reasoning LLMs.")
+class _OneLineErrors(typer.core.TyperGroup):
+    """Usage errors (a flag typer cannot parse, an unknown option) as one ``error:`` line and exit code 2, like
+    every other bad input, instead of click's usage box."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        import sys
+
+        from typer._click import exceptions as cx
+
+        try:
+            rv = super().main(args=args, prog_name=prog_name, complete_var=complete_var, standalone_mode=False, **extra)
+            code = rv if isinstance(rv, int) else 0
+        except cx.NoArgsIsHelpError as e:
+            typer.echo(e.ctx.get_help() if e.ctx else str(e))
+            code = 2
+        except cx.ClickException as e:
+            msg = " ".join(e.format_message().split())
+            where = f" (see `{e.ctx.command_path} --help`)" if getattr(e, "ctx", None) is not None else ""
+            err.print(f"[red]error:[/red] {msg}{where}", highlight=False, soft_wrap=True, markup=True)
+            code = e.exit_code
+        except (KeyboardInterrupt, EOFError):
+            code = 130
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
+
+app = typer.Typer(cls=_OneLineErrors, add_completion=False, no_args_is_help=True,
+                  help="Tiered KV cache for reasoning LLMs.")
 console = Console()
 err = Console(stderr=True)
 
@@ -25,15 +54,55 @@ def _fail(msg: str) -> None:
     raise typer.Exit(2)
 
 
+_DEBUG = {"on": False}
+
+
+@app.callback()
+def _main(debug: bool = typer.Option(False, "--debug", help="show Python tracebacks instead of one-line errors")):
+    """Tiered KV cache for reasoning LLMs."""
+    _DEBUG["on"] = debug
+
+
 def _run(fn):
-    """Turn the library's user-facing errors into one line and exit code 2 (no traceback wall)."""
+    """Turn the library's user-facing errors into one line and exit code 2 (no traceback wall); anything
+    unexpected is one line and exit code 1 (``--debug`` shows the traceback)."""
     from .eval.datasets import DataError
     from .models import ModelLoadError
 
     try:
         return fn()
-    except (ValueError, ModelLoadError, DataError, NotImplementedError, FileNotFoundError) as e:
+    except typer.Exit:
+        raise
+    except (ValueError, ModelLoadError, DataError, NotImplementedError, FileNotFoundError, IsADirectoryError,
+            NotADirectoryError, PermissionError) as e:
+        if _DEBUG["on"]:
+            raise
         _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        err.print("interrupted; rerun the same command to resume", highlight=False)
+        raise typer.Exit(130) from None
+    except Exception as e:  # a bug: still one line, but not exit 2, so that it is not mistaken for bad input
+        if _DEBUG["on"]:
+            raise
+        first = str(e).splitlines()[0] if str(e) else ""
+        err.print(f"[red]error:[/red] internal error {type(e).__name__}: {first} (rerun with --debug for the traceback)",
+                  highlight=False, soft_wrap=True)
+        raise typer.Exit(1) from None
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    """Whether the user gave option ``name`` on the command line (not its default)."""
+    src = ctx.get_parameter_source(name)  # typer may bundle its own click: compare by name, not by class
+    return getattr(src, "name", None) in ("COMMANDLINE", "ENVIRONMENT")
+
+
+def _check_limits(model: str, max_new_tokens: int) -> None:
+    """What can be said about the model's positions before loading it."""
+    from .models import peek_position_limit
+
+    lim = peek_position_limit(model)
+    if lim is not None and max_new_tokens >= lim:
+        raise ValueError(f"--max-new-tokens {max_new_tokens} does not fit {model}'s {lim} positions")
 
 
 def _floats(s: str | None, name: str) -> list[float]:
@@ -50,6 +119,24 @@ def _ints(s: str, name: str) -> list[int]:
         return [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
         _fail(f"{name} must be comma-separated integers, got {s!r}")
+
+
+def _numbers(name: str, xs) -> list[float]:
+    """Finite numbers from a flag or a config file; one clear error otherwise."""
+    import math
+
+    out = []
+    for x in xs:
+        try:
+            v = float(x) if not isinstance(x, bool) else float("nan")
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be comma-separated numbers, got {x!r}") from None
+        if not math.isfinite(v):
+            raise ValueError(f"{name} must be finite numbers, got {x!r}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{name} needs at least one value")
+    return out
 
 
 def _int_option(name: str, x) -> int:
@@ -81,10 +168,14 @@ def _policy_params(**given) -> dict:
 
 
 def _default_max_new(device: str) -> int:
-
     from .models import resolve_device
 
     return 4096 if resolve_device(device).type == "cuda" else 512
+
+
+def _max_new(value: int | None, device: str) -> int:
+    """``None`` means not given (the device's default); 0 or less is an error, never "the default"."""
+    return _default_max_new(device) if value is None else value
 
 
 def _progress() -> Progress:
@@ -118,7 +209,12 @@ def generate(
 
         params = {**_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
                                    budget_ratio=budget_ratio, budget_tokens=budget_tokens), **_parse_params(param)}
-        kvtier.get_policy(policy).check_params(params)
+        from .eval.runner import validate_policy
+
+        validate_policy(policy, params)
+        if max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens}")
+        _check_limits(model, max_new_tokens)
         m, tok = kvtier.load_model(model, device=device, dtype=dtype)
         enc = tok([chat_prompt(tok, prompt)], return_tensors="pt").to(m.device)
         cache = kvtier.make_cache(policy, m, **params)
@@ -137,6 +233,28 @@ def _eval_progress_cb(progress: Progress, task):
         progress.update(task, total=p["total"], completed=p["done"], rate=rate)
 
     return cb
+
+
+class _LazyProgress:
+    """A progress bar that appears with the first report (after the run folder is locked and the model loaded),
+    so a command rejected before that prints its one error line and nothing else."""
+
+    def __init__(self, label: str):
+        self.label, self.progress, self.task = label, None, None
+
+    def __call__(self, p: dict) -> None:
+        if self.progress is None:
+            self.progress = _progress()
+            self.progress.start()
+            self.task = self.progress.add_task(self.label, total=None, rate="")
+        _eval_progress_cb(self.progress, self.task)(p)
+
+    def __enter__(self) -> "_LazyProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.progress is not None:
+            self.progress.stop()
 
 
 @app.command("eval")
@@ -166,23 +284,25 @@ def eval_cmd(
 
     def go():
         import kvtier
+        from .eval.records import check_run_dir
         from .eval.report import write_report
         from .eval.runner import EvalConfig, load_all, run_eval
+        from .models import resolve_device, resolve_dtype
 
         if batch_size < 1:
             raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
-
+        resolve_dtype(dtype, resolve_device(device))
         params = {**_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
                                    budget_ratio=budget_ratio, budget_tokens=budget_tokens), **_parse_params(param)}
         cfg = EvalConfig(model=model, benchmark=benchmark, policy=policy, params=params, limit=limit,
-                         max_new_tokens=max_new_tokens or _default_max_new(device), temperature=temperature,
+                         max_new_tokens=_max_new(max_new_tokens, device), temperature=temperature,
                          top_p=top_p, samples=samples, seed=seed)
+        check_run_dir(out)
+        _check_limits(model, cfg.max_new_tokens)
         problems = load_all([cfg], data_dir)
-        loaded = kvtier.load_model(model, device=device, dtype=dtype)
-        with _progress() as progress:
-            task = progress.add_task(f"{benchmark} {policy}", total=None, rate="")
-            run_eval([cfg], out, batch_size=batch_size, on_progress=_eval_progress_cb(progress, task),
-                     loaded=loaded, problems=problems)
+        with _LazyProgress(f"{benchmark} {policy}") as progress:
+            run_eval([cfg], out, batch_size=batch_size, on_progress=progress,
+                     loaded=lambda: kvtier.load_model(model, device=device, dtype=dtype), problems=problems)
         paths = write_report(out)
         console.print(paths["md"].read_text())
 
@@ -191,6 +311,7 @@ def eval_cmd(
 
 @app.command()
 def sweep(
+    ctx: typer.Context,
     model: str = typer.Option(EMBEDDED, help=MODEL_HELP),
     benchmark: str = typer.Option("gsm8k", help="comma-separated benchmarks"),
     policy: str = typer.Option("full,tiered,evict,h2o,rkv,streaming_llm", help="comma-separated policies"),
@@ -200,7 +321,7 @@ def sweep(
     compare: str = typer.Option("equal-eviction", help="baselines: equal-eviction (budget = 1 - evict ratio), "
                                 "equal-memory (the hierarchy's T0 tokens at each hbm ratio), or both"),
     budget_tokens: str = typer.Option("", help="comma-separated absolute budgets for the baselines, e.g. 128,256,512"),
-    config: Optional[Path] = typer.Option(None, help="JSON/TOML file with these keys (+ policy_params); options given here win"),
+    config: Optional[Path] = typer.Option(None, help="JSON/TOML file with these keys (+ policy_params); options given on the command line win"),
     limit: Optional[int] = typer.Option(None),
     out: Path = typer.Option(Path("runs/sweep")),
     data_dir: Optional[Path] = typer.Option(None),
@@ -217,38 +338,59 @@ def sweep(
 
     def go():
         import kvtier
+        from .eval.records import check_run_dir
         from .eval.report import write_report
         from .eval.runner import load_all, run_eval
         from .eval.sweep import expand_grid, load_config_file
+        from .models import resolve_device, resolve_dtype
 
         file = load_config_file(config) if config else {}
+        flags = dict(model=model, benchmark=benchmark, policy=policy, evict_ratio=evict_ratio, hbm_ratio=hbm_ratio,
+                     quant_ratio=quant_ratio, compare=compare, budget_tokens=budget_tokens, limit=limit,
+                     data_dir=data_dir, batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
+                     top_p=top_p, samples=samples, seed=seed, device=device, dtype=dtype)
+        unknown = sorted(set(file) - set(flags) - {"policy_params"})
+        if unknown:
+            raise ValueError(f"--config {config}: unknown key(s) {unknown}; allowed: {sorted(flags) + ['policy_params']}")
+
+        def opt(name):  # a flag given on the command line wins over the file, which wins over the default
+            return flags[name] if _given(ctx, name) or name not in file else file[name]
+
         as_list = lambda v: v if isinstance(v, list) else [x.strip() for x in str(v).split(",") if x.strip()]  # noqa: E731
+        dev, dt = opt("device"), opt("dtype")
+        resolve_dtype(dt, resolve_device(dev))
+        skipped: list[str] = []
         cfgs = expand_grid(
-            model=file.get("model", model),
-            benchmarks=as_list(file.get("benchmark", benchmark)),
-            policies=as_list(file.get("policy", policy)),
-            evict_ratios=[float(x) for x in as_list(file.get("evict_ratio", evict_ratio))],
-            hbm_ratios=[float(x) for x in as_list(file.get("hbm_ratio", hbm_ratio))],
-            quant_ratio=float(file.get("quant_ratio", quant_ratio)),
+            model=opt("model"),
+            benchmarks=as_list(opt("benchmark")),
+            policies=as_list(opt("policy")),
+            evict_ratios=_numbers("--evict-ratio", as_list(opt("evict_ratio"))),
+            hbm_ratios=_numbers("--hbm-ratio", as_list(opt("hbm_ratio"))),
+            quant_ratio=_numbers("--quant-ratio", [opt("quant_ratio")])[0],
             policy_params=file.get("policy_params"),
-            compare=file.get("compare", compare),
-            budget_tokens=[_int_option("--budget-tokens", x) for x in as_list(file.get("budget_tokens", budget_tokens))],
-            limit=file.get("limit", limit),
-            max_new_tokens=file.get("max_new_tokens", max_new_tokens or _default_max_new(device)),
-            temperature=file.get("temperature", temperature),
-            top_p=file.get("top_p", top_p),
-            samples=file.get("samples", samples),
-            seed=file.get("seed", seed),
+            compare=opt("compare"),
+            budget_tokens=[_int_option("--budget-tokens", x) for x in as_list(opt("budget_tokens"))],
+            skipped=skipped,
+            limit=opt("limit"),
+            max_new_tokens=_max_new(opt("max_new_tokens"), dev),
+            temperature=opt("temperature"),
+            top_p=opt("top_p"),
+            samples=opt("samples"),
+            seed=opt("seed"),
         )
-        if batch_size < 1:
-            raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size}")
-        problems = load_all(cfgs, file.get("data_dir", data_dir))
-        loaded = kvtier.load_model(cfgs[0].model, device=device, dtype=dtype)
+        bs = opt("batch_size")
+        if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+            raise ValueError(f"--batch-size must be an integer >= 1, got {bs!r}")
+        check_run_dir(out)
+        _check_limits(cfgs[0].model, max(c.max_new_tokens for c in cfgs))
+        problems = load_all(cfgs, opt("data_dir"))
+        if skipped:
+            console.print(f"note: skipped {len(skipped)} grid point(s) whose ratios sum over 1: {', '.join(skipped)}",
+                          soft_wrap=True)
         console.print(f"{len(cfgs)} configurations")
-        with _progress() as progress:
-            task = progress.add_task("sweep", total=None, rate="")
-            run_eval(cfgs, out, batch_size=batch_size, on_progress=_eval_progress_cb(progress, task),
-                     loaded=loaded, problems=problems)
+        with _LazyProgress("sweep") as progress:
+            run_eval(cfgs, out, batch_size=bs, on_progress=progress,
+                     loaded=lambda: kvtier.load_model(cfgs[0].model, device=dev, dtype=dt), problems=problems)
         paths = write_report(out)
         console.print(paths["md"].read_text())
 
@@ -288,13 +430,21 @@ def demo(
 
     def go():
         import kvtier
+        from .eval.datasets import check_benchmark
         from .eval.demo import run_demo
+        from .eval.records import check_run_dir
+        from .models import resolve_device, resolve_dtype
 
-        loaded = kvtier.load_model(model, device=device, dtype=dtype)
-        with _progress() as progress:
-            task = progress.add_task("demo", total=None, rate="")
-            rows = run_demo(model, problems, max_new_tokens, batch_size, out, device, dtype,
-                            on_progress=_eval_progress_cb(progress, task), loaded=loaded, benchmark=benchmark)
+        for flag, v in (("--problems", problems), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
+            if v < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {v}")
+        check_benchmark(benchmark)
+        resolve_dtype(dtype, resolve_device(device))
+        check_run_dir(out)
+        _check_limits(model, max_new_tokens)
+        with _LazyProgress("demo") as progress:
+            rows = run_demo(model, problems, max_new_tokens, batch_size, out, device, dtype, on_progress=progress,
+                            loaded=lambda: kvtier.load_model(model, device=device, dtype=dtype), benchmark=benchmark)
         t = Table(title=f"kvtier demo: {model}, {problems} {benchmark} problems, greedy, {max_new_tokens} new tokens max")
         for col in ("policy", "accuracy", "gen tokens", "device KV MiB (vs full)", "moved MiB", "streamed MiB", "tok/s",
                     "same text / answer as full"):
@@ -337,10 +487,12 @@ def bench(
         from .models import resolve_device
 
         gpu = resolve_device(device).type == "cuda"
+        if json_out is not None:
+            _check_json_out(json_out)
         cfg = BenchConfig(
             model=model or ("random:qwen2-7b" if gpu else EMBEDDED),
-            context=context or (4096 if gpu else 512),
-            new_tokens=new_tokens or (256 if gpu else 64),
+            context=(4096 if gpu else 512) if context is None else context,
+            new_tokens=(256 if gpu else 64) if new_tokens is None else new_tokens,
             batches=tuple(_ints(batch or ("1,8" if gpu else "1,4"), "--batch")),
             policies=tuple(p.strip() for p in policy.split(",") if p.strip()),
             hbm_ratios=tuple(_floats(hbm_ratio, "--hbm-ratio")),
@@ -348,15 +500,37 @@ def bench(
             retier_interval=retier_interval, recent_window=recent_window, repeats=repeats, stock=stock,
             t1_on_device=t1_on_device, device=device, dtype=dtype,
         )
+        from .models import resolve_dtype
+
+        resolve_dtype(dtype, resolve_device(device))
+        save = (lambda partial: _write_json(json_out, partial)) if json_out else None
         with console.status("benchmarking") as status:
-            res = run_bench(cfg, on_progress=lambda m: status.update(m))
+            res = run_bench(cfg, on_progress=lambda m: status.update(m), on_rows=save)
         print_bench(res)
         if json_out:
-            json_out.parent.mkdir(parents=True, exist_ok=True)
-            json_out.write_text(json.dumps(res, indent=2))
+            _write_json(json_out, res)
             console.print(f"wrote {json_out}")
 
     _run(go)
+
+
+def _check_json_out(path: Path) -> None:
+    """--json must name a file we can write, checked before minutes of benchmarking."""
+    if path.is_dir() or str(path).endswith(("/", "\\")):
+        raise ValueError(f"--json {path} is a directory; give a file name, e.g. {path / 'bench.json'}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"--json {path}: {parent} is a file, not a directory")
+            break
+
+
+def _write_json(path: Path, obj: dict) -> None:
+    """Written aside and renamed: an interrupted write never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)
 
 
 def print_bench(res: dict) -> None:

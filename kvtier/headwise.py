@@ -17,10 +17,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from transformers.cache_utils import Cache
 
 from .config import budget as floor_budget
-from .layer_base import KVTierLayer, check_update, prompt_validity
+from .layer_base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
 
 
 @dataclass(frozen=True)
@@ -358,7 +357,7 @@ class HeadwiseLayer(KVTierLayer):
             st.compressions += 1
 
 
-class HeadwiseCache(Cache):
+class HeadwiseCache(ShapeGuardedCache):
     """A transformers ``Cache`` for per-head eviction policies."""
 
     def __init__(self, scorer: Scorer, budget: EvictionBudget, num_layers: int, protect_prompt: bool, policy: str):

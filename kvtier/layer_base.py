@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 
 def check_update(batch: int | None, n_total: int, keys: torch.Tensor) -> None:
@@ -27,7 +27,11 @@ def prompt_validity(attention_mask: torch.Tensor | None, q: int) -> torch.Tensor
         return None
     i = torch.arange(q, device=attention_mask.device)
     diag = attention_mask[:, 0, i, i]
-    return diag if diag.dtype == torch.bool else diag == 0  # additive float masks are 0 where attended
+    diag = diag if diag.dtype == torch.bool else diag == 0  # additive float masks are 0 where attended
+    if q > 1 and bool((diag[:, 1:].int() < diag[:, :-1].int()).any()):  # a real token followed by padding
+        raise ValueError("right padding is not supported by kvtier caches (decoder-only generation pads on the "
+                         "left): set tokenizer.padding_side = 'left'")
+    return diag
 
 
 def check_number(policy: str, name: str, value, lo: float, hi: float | None = None, integer: bool = False) -> None:
@@ -38,6 +42,36 @@ def check_number(policy: str, name: str, value, lo: float, hi: float | None = No
         what = "an integer" if integer else "a number"
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise ValueError(f"{name} must be {what} {rng} for policy {policy!r}, got {value!r}")
+
+
+def model_shape(config) -> tuple[int, int, int]:
+    """(layers, kv-heads, head_dim) of a transformers config."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = c.num_attention_heads
+    return (int(c.num_hidden_layers), int(getattr(c, "num_key_value_heads", None) or heads),
+            int(getattr(c, "head_dim", None) or c.hidden_size // heads))
+
+
+class ShapeGuardedCache(Cache):
+    """Base of kvtier's caches: a cache serves the model it was made for, and says so when it is not."""
+
+    @property
+    def model_shape(self) -> tuple[int, int, int] | None:
+        """(layers, kv-heads, head_dim) of the model the cache was made for (set by ``make_cache``)."""
+        return getattr(self.layers[0], "made_for", None) if self.layers else None
+
+    @model_shape.setter
+    def model_shape(self, shape: tuple[int, int, int]) -> None:
+        for layer in self.layers:
+            layer.made_for = tuple(shape)
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not 0 <= layer_idx < len(self.layers):
+            raise ValueError(
+                f"this kvtier cache was made for a model with {len(self.layers)} layers and got layer {layer_idx}; "
+                "make the cache for the model that uses it: kvtier.make_cache(policy, model)"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 class KVTierLayer(CacheLayerMixin):
@@ -54,6 +88,20 @@ class KVTierLayer(CacheLayerMixin):
         attn_kwargs = update_kwargs.get("kwargs")
         if isinstance(attn_kwargs, dict):
             attn_kwargs["kvtier_layer"] = self
+
+    def check_model(self, module, key: torch.Tensor) -> None:
+        """At prefill (layer 0): the attention's model must have this cache's layer count and K/V shape."""
+        config = getattr(module, "config", None)
+        if config is None:
+            return
+        used = model_shape(config)
+        made = getattr(self, "made_for", None) or (self.state.num_layers, key.shape[1], key.shape[3])
+        if used != made or used[0] != self.state.num_layers:
+            fmt = lambda s: f"{s[0]} layers x {s[1]} kv-heads x head_dim {s[2]}"  # noqa: E731
+            raise ValueError(
+                f"this kvtier cache was made for a model with {fmt(made)}, used with a model of {fmt(used)}; "
+                "make the cache for the model that uses it: kvtier.make_cache(policy, model)"
+            )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.state.n_total + query_length, 0  # logical length: masks and RoPE stay true

@@ -141,12 +141,24 @@ def random_model(name: str, device="cpu", dtype=torch.float32, seed: int = 0):
 
 # ---- device / dtype --------------------------------------------------------------------------------
 def resolve_device(device: str = "auto") -> torch.device:
+    if not isinstance(device, str):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {device!r}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            build = "a CPU-only build" if torch.version.cuda is None else "no visible GPU"
+            raise ValueError(f"--device {device}: CUDA is not available here (torch {torch.__version__}, {build}); "
+                             "use --device cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return dev
 
 
 def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
@@ -253,6 +265,40 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, use_cache: b
     return model.to(device).eval(), _left_padded(tok)
 
 
+# ---- identity ------------------------------------------------------------------------------------------
+def model_fingerprint(name: str) -> str:
+    """What weights ``name`` denotes, for resume keys: the embedded GGUF's sha256, a local file's or directory's
+    sizes and sampled content hashes, a preset's config; a hub id stands for itself (and its revision)."""
+    if name.startswith("random:"):
+        return "random:" + hashlib.sha1(preset_config(name.removeprefix("random:")).to_json_string().encode()).hexdigest()[:12]
+    if name == EMBEDDED_NAME:
+        return "sha256:" + EMBEDDED_SHA256
+    path = Path(name).expanduser()
+    if path.is_file() or path.is_dir():
+        files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and (
+            p.suffix in (".safetensors", ".bin", ".gguf", ".pt") or p.name == "config.json"))
+        h = hashlib.sha1()
+        for f in files:
+            size = f.stat().st_size
+            h.update(f"{f.name}:{size}".encode())
+            with open(f, "rb") as fh:  # head and tail: cheap for multi-GB weights, and they differ when weights do
+                h.update(fh.read(1 << 20))
+                if size > 2 << 20:
+                    fh.seek(-(1 << 20), os.SEEK_END)
+                    h.update(fh.read(1 << 20))
+        return "files:" + h.hexdigest()[:16]
+    return "hub:" + name
+
+
+def peek_position_limit(name: str) -> int | None:
+    """The model's positions when known without loading it (presets, the embedded model); else None."""
+    if name.startswith("random:"):
+        return preset_config(name.removeprefix("random:")).max_position_embeddings
+    if name == EMBEDDED_NAME:
+        return 32768
+    return None
+
+
 # ---- the one entry point ---------------------------------------------------------------------------
 def load_model(name_or_path: str, device: str = "auto", dtype="auto", seed: int = 0):
     """Load ``(model, tokenizer)`` from a hub id, local dir, ``.gguf`` file, the embedded name or ``random:<preset>``."""
@@ -277,6 +323,10 @@ def _load_pretrained(name: str, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     local = Path(name).expanduser()
+    looks_local = name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or os.sep + os.sep in name
+    if looks_local and not local.exists():
+        raise ModelLoadError(f"model path {name!r} does not exist; give a model directory, a .gguf file, a hub id "
+                             f"(org/name), {EMBEDDED_NAME!r} or random:<preset>")
     if local.exists() and not (local / "config.json").is_file():
         raise ModelLoadError(f"{name!r} is a path without config.json; point at a model directory or a .gguf file")
     try:

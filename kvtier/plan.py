@@ -7,6 +7,7 @@ Pure arithmetic on the config (no weights): answers offline for the built-in sha
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -62,12 +63,24 @@ def shape_of(model: str) -> Shape:
     if path.is_dir():
         path = path / "config.json"
     if path.is_file():
-        c = json.loads(path.read_text())
+        try:
+            c = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not a JSON model config ({e})") from None
+        if not isinstance(c, dict):
+            raise ValueError(f"{path} is not a JSON model config (an object with num_hidden_layers, ...)")
         c = c.get("text_config", c)
-        heads = c["num_attention_heads"]
-        return Shape(str(model), c["num_hidden_layers"], c.get("num_key_value_heads", heads),
-                     c.get("head_dim") or c["hidden_size"] // heads, c["hidden_size"], c.get("intermediate_size", 4 * c["hidden_size"]),
-                     c.get("vocab_size", 0), heads, bool(c.get("tie_word_embeddings", False)))
+        missing = [k for k in ("num_hidden_layers", "num_attention_heads", "hidden_size") if k not in c]
+        if missing:
+            raise ValueError(f"{path} lacks {missing}: the planner needs num_hidden_layers, num_attention_heads, hidden_size")
+        try:
+            heads = int(c["num_attention_heads"])
+            return Shape(str(model), int(c["num_hidden_layers"]), int(c.get("num_key_value_heads", heads)),
+                         int(c.get("head_dim") or c["hidden_size"] // heads), int(c["hidden_size"]),
+                         int(c.get("intermediate_size", 4 * c["hidden_size"])), int(c.get("vocab_size", 0)), heads,
+                         bool(c.get("tie_word_embeddings", False)))
+        except (TypeError, ValueError, ZeroDivisionError) as e:
+            raise ValueError(f"{path}: a shape field is not a positive integer ({e})") from None
     known = ", ".join(sorted(HUB_SHAPES))
     raise ModelLoadError(f"no built-in shapes for {model!r}; pass a path to its config.json (built in: {known}, random:<preset>)")
 
@@ -87,8 +100,10 @@ def plan(model: str, batch: int, seq_len: int, hbm_ratio: float = 0.3, evict_rat
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
     for name, v in (("pcie_gbps", pcie_gbps), ("hbm_gbps", hbm_gbps)):
-        if not v > 0:
-            raise ValueError(f"{name} must be > 0, got {v!r}")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {v!r}")
+    if isinstance(protected_tokens, bool) or not isinstance(protected_tokens, int) or protected_tokens < 0:
+        raise ValueError(f"--protected-tokens must be an integer >= 0, got {protected_tokens!r}")
     TierConfig(hbm_ratio=hbm_ratio, quant_ratio=quant_ratio, evict_ratio=evict_ratio)  # validates the ratios
     s = shape_of(model)
     eb = DTYPE_BYTES[dtype]

@@ -6,6 +6,7 @@ Each loader returns :class:`Problem` records with a stable ``id`` so that runs c
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,13 @@ class DataError(ValueError):
     """A benchmark could not be read; the message says what to pass instead."""
 
 
+class ProblemSet(list):
+    """The problems read (a list) and ``fingerprint``: what was read — the file's content hash, the hub rows'
+    hash, or the reasoning-gym task and seed — independent of ``limit`` so that a larger limit resumes."""
+
+    fingerprint: str = ""
+
+
 @dataclass
 class Problem:
     id: str
@@ -40,39 +48,75 @@ def check_benchmark(name: str) -> None:
     raise DataError(f"benchmark must be one of {', '.join(BENCHMARKS)} or rg:<reasoning-gym task>, got {name!r}")
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
+    """(line number, row) for every non-empty line; a bad line is a DataError naming the file and the line."""
+    rows = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path} is not UTF-8 text ({e.reason})") from None
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path} line {i}: not valid JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(row, dict):
+            raise DataError(f"{path} line {i}: expected a JSON object, got {type(row).__name__}")
+        rows.append((i, row))
+    return rows
 
 
 def _gsm8k_gold(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
 
 
-def _from_rows(name: str, rows: list[dict]) -> list[Problem]:
+# the fields each benchmark's rows must have (the shared data READMEs' schemas)
+REQUIRED = {"gsm8k": ("question", "answer"), "math500": ("unique_id", "problem", "answer"),
+            "math_level5": ("problem",), "arc_challenge": ("id", "question", "choices", "answerKey")}
+
+
+def _one(name: str, i: int, r: dict) -> Problem:
     if name == "gsm8k":
-        return [Problem(f"gsm8k-{i}", r["question"], _gsm8k_gold(r["answer"])) for i, r in enumerate(rows)]
+        return Problem(f"gsm8k-{i}", str(r["question"]), _gsm8k_gold(str(r["answer"])))
     if name == "math500":
-        return [Problem(r["unique_id"], r["problem"], r["answer"]) for r in rows]
+        return Problem(str(r["unique_id"]), str(r["problem"]), str(r["answer"]))
     if name == "math_level5":
         from .grading import extract_boxed
 
-        out = []
-        for i, r in enumerate(rows):
-            gold = r.get("answer") or extract_boxed(r["solution"]) or ""
-            out.append(Problem(f"math5-{r.get('idx', i)}", r["problem"], gold))
-        return out
+        gold = r.get("answer") or extract_boxed(str(r.get("solution", ""))) or ""
+        return Problem(f"math5-{r.get('idx', i)}", str(r["problem"]), str(gold))
     if name == "arc_challenge":
-        out = []
-        for r in rows:
-            choices = r["choices"]
-            if isinstance(choices, dict):  # hub schema: {"text": [...], "label": [...]}
-                choices = [{"label": lab, "text": t} for lab, t in zip(choices["label"], choices["text"])]
-            labels = [c["label"] for c in choices]
-            gold = "ABCDEFGH"[labels.index(r["answerKey"])]  # numeric labels map by position
-            out.append(Problem(r["id"], r["question"], gold, [c["text"] for c in choices]))
-        return out
+        choices = r["choices"]
+        if isinstance(choices, dict):  # hub schema: {"text": [...], "label": [...]}
+            choices = [{"label": lab, "text": t} for lab, t in zip(choices["label"], choices["text"])]
+        labels = [c["label"] for c in choices]
+        if r["answerKey"] not in labels:
+            raise ValueError(f"answerKey {r['answerKey']!r} is not one of the choice labels {labels}")
+        if len(labels) > 8:
+            raise ValueError(f"{len(labels)} choices; at most 8 (A-H) are supported")
+        gold = "ABCDEFGH"[labels.index(r["answerKey"])]  # numeric labels map by position
+        return Problem(str(r["id"]), str(r["question"]), gold, [str(c["text"]) for c in choices])
     raise DataError(f"unknown benchmark {name!r}")
+
+
+def _from_rows(name: str, rows: list[tuple[int, dict]], source: str) -> list[Problem]:
+    """Problems from (line, row) pairs; ``source`` names the file (or the hub) in errors."""
+    out = []
+    for i, (line, r) in enumerate(rows):
+        where = f"{source} line {line}" if line else f"{source} row {i}"
+        missing = [k for k in REQUIRED[name] if k not in r]
+        if missing:
+            raise DataError(f"{where}: missing field(s) {missing} (a {name} row needs {list(REQUIRED[name])})")
+        try:
+            out.append(_one(name, i, r))
+        except (KeyError, TypeError, ValueError, IndexError) as e:
+            raise DataError(f"{where}: {e}") from None
+    if not out:
+        raise DataError(f"{source} holds no problems")
+    return out
 
 
 def _from_hub(name: str) -> list[dict]:
@@ -106,7 +150,9 @@ def _reasoning_gym(task: str, limit: int | None, seed: int) -> list[Problem]:
         ds = reasoning_gym.create_dataset(task, size=size, seed=seed)
     except Exception as e:
         raise DataError(f"reasoning-gym has no task {task!r} ({e})") from None
-    return [Problem(f"rg-{task}-{seed}-{i}", x["question"], str(x["answer"])) for i, x in enumerate(ds)]
+    out = ProblemSet(Problem(f"rg-{task}-{seed}-{i}", x["question"], str(x["answer"])) for i, x in enumerate(ds))
+    out.fingerprint = f"rg:{task}:seed{seed}"
+    return out
 
 
 def load_problems(name: str, data_dir: str | Path | None = None, limit: int | None = None, seed: int = 0) -> list[Problem]:
@@ -120,9 +166,15 @@ def load_problems(name: str, data_dir: str | Path | None = None, limit: int | No
         path = Path(data_dir).expanduser() / name / "test.jsonl"
         if not path.is_file():
             raise DataError(f"{path} does not exist; --data-dir must hold {name}/test.jsonl")
-        rows = _read_jsonl(path)
+        rows, source = _read_jsonl(path), str(path)
+        fingerprint = "file:" + hashlib.sha1(path.read_bytes()).hexdigest()[:16]
     else:
-        rows = _from_hub(name)
-    probs = _from_rows(name, rows)
-    return probs[:limit] if limit else probs
+        rows, source = [(0, r) for r in _from_hub(name)], f"the hub's {HUB[name][0]}"
+        fingerprint = ""
+    probs = _from_rows(name, rows, source)
+    if not fingerprint:
+        fingerprint = "hub:" + hashlib.sha1(json.dumps([(p.id, p.question, p.gold, p.choices) for p in probs]).encode()).hexdigest()[:16]
+    out = ProblemSet(probs[:limit] if limit else probs)
+    out.fingerprint = fingerprint
+    return out
 

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Callable
 
 from ..models import EMBEDDED_NAME
+from .records import dedupe
 from .runner import EvalConfig, read_records, run_eval
 
 DEMO_CONFIGS = [
@@ -21,16 +22,16 @@ def run_demo(model: str = EMBEDDED_NAME, problems: int = 8, max_new_tokens: int 
              benchmark: str = "rg:gsm_symbolic") -> list[dict]:
     cfgs = [EvalConfig(model=model, benchmark=benchmark, policy=p, params=dict(q), limit=problems,
                        max_new_tokens=max_new_tokens) for p, q in DEMO_CONFIGS]
-    run_eval(cfgs, out, batch_size=batch_size, device=device, dtype=dtype, on_progress=on_progress, loaded=loaded)
-    return demo_table(read_records(out), cfgs)
+    keys = run_eval(cfgs, out, batch_size=batch_size, device=device, dtype=dtype, on_progress=on_progress, loaded=loaded)
+    return demo_table(dedupe(read_records(out)), cfgs, keys)
 
 
-def demo_table(records: list[dict], cfgs: list[EvalConfig]) -> list[dict]:
-    by_key = {c.key(): [r for r in records if r["config_key"] == c.key()] for c in cfgs}
-    full = {r["id"]: r for r in by_key[cfgs[0].key()]}
+def demo_table(records: list[dict], cfgs: list[EvalConfig], keys: list[str]) -> list[dict]:
+    by_key = {k: [r for r in records if r["config_key"] == k] for k in keys}
+    full = {r["id"]: r for r in by_key[keys[0]]}
     rows = []
-    for c in cfgs:
-        recs = by_key[c.key()]
+    for c, k in zip(cfgs, keys):
+        recs = by_key[k]
         gen = sum(r["generated_tokens"] for r in recs)
         secs = sum(r["seconds"] for r in recs)
         peak = sum((r["peak_device_kv_bytes"] or 0) / r["batch_size"] for r in recs)

@@ -7,14 +7,40 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from .runner import read_records
+from .records import dedupe, read_records
 from .stats import cochran_q, mcnemar_exact, wilson
 
 _GEN_KEYS = ("benchmark", "model", "max_new_tokens", "temperature", "top_p", "seed")
+_IDENTITY_KEYS = ("model_fingerprint", "dtype", "device")
 
 
 def _base(r: dict) -> tuple:
-    return tuple(r[k] for k in _GEN_KEYS)
+    """What a configuration is compared within: benchmark, model (and weights, dtype, device), generation."""
+    ki = r.get("key_inputs") or {}
+    return tuple(r.get(k) for k in _GEN_KEYS) + tuple(json.dumps(ki.get(k)) for k in _IDENTITY_KEYS)
+
+
+def _params(r: dict) -> dict:
+    """The configuration's parameters with defaults filled in (older records: as given, defaults added here)."""
+    ki = r.get("key_inputs") or {}
+    if isinstance(ki.get("params"), dict):
+        return ki["params"]
+    try:
+        from ..policies import get_policy
+
+        return {**get_policy(r["policy"]).params(), **(r.get("params") or {})}
+    except (ValueError, KeyError):
+        return dict(r.get("params") or {})
+
+
+def differing_fields(records: list[dict]) -> dict[str, list]:
+    """Key inputs that differ between configurations of one report (what sets the rows apart)."""
+    values: dict[str, set] = defaultdict(set)
+    for r in records:
+        for k, v in (r.get("key_inputs") or {}).items():
+            if k != "params":
+                values[k].add(json.dumps(v, sort_keys=True))
+    return {k: sorted(json.loads(v) for v in vs) for k, vs in values.items() if len(vs) > 1}
 
 
 def eviction_ratio(policy: str, params: dict) -> float | None:
@@ -48,6 +74,7 @@ def comparison(policy: str, params: dict) -> str:
 
 def summarize(records: list[dict]) -> dict:
     """Per-configuration accuracy, intervals, retention, memory and paired tests against ``full``."""
+    records = dedupe(records)
     by_cfg: dict[str, list[dict]] = defaultdict(list)
     for r in records:
         by_cfg[r["config_key"]].append(r)
@@ -58,17 +85,19 @@ def summarize(records: list[dict]) -> dict:
             full_of[_base(recs[0])] = key
     for key, recs in by_cfg.items():
         r0 = recs[0]
+        params = _params(r0)
         n = len(recs)
-        k = sum(r["correct"] for r in recs)
+        k = sum(bool(r.get("correct")) for r in recs)
         lo, hi = wilson(k, n)
         row = {
             "config_key": key,
             "benchmark": r0["benchmark"],
             "policy": r0["policy"],
             "params": r0["params"],
-            "comparison": comparison(r0["policy"], r0["params"]),
-            "evict_ratio": eviction_ratio(r0["policy"], r0["params"]),
-            "hbm_ratio": r0["params"].get("hbm_ratio"),
+            "key_inputs": r0.get("key_inputs"),
+            "comparison": comparison(r0["policy"], params),
+            "evict_ratio": eviction_ratio(r0["policy"], params),
+            "hbm_ratio": params.get("hbm_ratio"),
             # device tokens each problem ended with, and (baselines) what its budget allowed
             "mean_device_tokens": sum(r["tier_tokens"]["T0"] for r in recs) / n,
             "mean_budget_tokens": (sum(r["budget_tokens"] for r in recs) / n
@@ -101,7 +130,7 @@ def summarize(records: list[dict]) -> dict:
                 )
         rows.append(row)
     rows.sort(key=lambda x: (x["benchmark"], x["policy"] != "full", x["policy"], x["evict_ratio"] or 0, x["hbm_ratio"] or 0))
-    return {"configs": rows, "hbm_independence": hbm_independence(by_cfg)}
+    return {"configs": rows, "hbm_independence": hbm_independence(by_cfg), "differing": differing_fields(records)}
 
 
 def hbm_independence(by_cfg: dict[str, list[dict]]) -> list[dict]:
@@ -109,10 +138,11 @@ def hbm_independence(by_cfg: dict[str, list[dict]]) -> list[dict]:
     groups: dict[tuple, dict[float, list[dict]]] = defaultdict(dict)
     for recs in by_cfg.values():
         r0 = recs[0]
-        if r0["policy"] != "tiered" or "hbm_ratio" not in r0["params"]:
+        params = _params(r0)
+        if r0["policy"] != "tiered" or params.get("hbm_ratio") is None:
             continue
-        rest = tuple(sorted((k, v) for k, v in r0["params"].items() if k != "hbm_ratio"))
-        groups[(_base(r0), rest)][r0["params"]["hbm_ratio"]] = recs
+        rest = tuple(sorted((k, json.dumps(v)) for k, v in params.items() if k != "hbm_ratio"))
+        groups[(_base(r0), rest)][params["hbm_ratio"]] = recs
     out = []
     for (base, rest), by_h in groups.items():
         if len(by_h) < 2:
@@ -123,7 +153,7 @@ def hbm_independence(by_cfg: dict[str, list[dict]]) -> list[dict]:
         table = [[int(m[i]["correct"]) for m in maps] for i in common]
         q, p = cochran_q(table)
         identical = all(len({m[i]["completion"] for m in maps}) == 1 for i in common)
-        out.append({"benchmark": base[0], "params": dict(rest), "hbm_ratios": hs, "n": len(common),
+        out.append({"benchmark": base[0], "params": {k: json.loads(v) for k, v in rest}, "hbm_ratios": hs, "n": len(common),
                     "accuracies": [sum(t[j] for t in table) / max(1, len(table)) for j in range(len(hs))],
                     "cochran_q": q, "p_value": p, "identical_outputs": identical})
     return out
@@ -140,6 +170,8 @@ def _fmt(x, pct=False):
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
     """Write summary.md, summary.csv, summary.json and PNG plots; returns their paths."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise ValueError(f"{run_dir} is not a run folder (a directory written by kvtier eval or sweep)")
     records = read_records(run_dir)
     if not records:
         raise ValueError(f"no records in {run_dir / 'records.jsonl'}; run `kvtier eval` or `kvtier sweep` with --out {run_dir}")
@@ -156,7 +188,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
         w.writerow(cols)
         for r in rows:
             w.writerow([json.dumps(r.get(c)) if c == "params" else r.get(c) for c in cols])
-    lines = ["# kvtier evaluation", "", f"{len(records)} records from `{run_dir}`.", "",
+    lines = ["# kvtier evaluation", "", f"{len(records)} records from `{run_dir}`.", ""]
+    if s["differing"]:
+        lines += ["Configurations differ in: " + "; ".join(f"{k} = {v}" for k, v in s["differing"].items()), ""]
+    lines += [
              "Budget: what a baseline's budget allowed at the end (mean tokens per problem, its forced set included); "
              "device tokens: what each policy held on the device at the end.", "",
              "| benchmark | policy | comparison | evict | hbm | budget (tokens) | device tokens | n | accuracy (95% CI) | retention | McNemar p vs full | identical to full | device KV vs full |",
@@ -213,7 +248,7 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
         ax.legend()
         paths[f"{bench}_eviction"] = _save(fig, out / f"{bench}_accuracy_vs_eviction.png")
         # 2. tiered HBM x eviction heatmap
-        tr = [r for r in br if r["policy"] == "tiered" and r["hbm_ratio"] is not None]
+        tr = [r for r in br if r["policy"] == "tiered" and r["hbm_ratio"] is not None and r["evict_ratio"] is not None]
         if tr:
             hs = sorted({r["hbm_ratio"] for r in tr})
             es = sorted({r["evict_ratio"] for r in tr})

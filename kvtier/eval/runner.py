@@ -1,17 +1,22 @@
 """Resumable evaluation: one JSON line per (config, problem, sample), appended and flushed as each batch ends.
 
 Killing a run loses at most the batch in flight; rerunning the same command skips what is recorded, never
-duplicates, and tolerates a torn last line (it is cut off before appending).
+duplicates, and tolerates a torn last line (the writer cuts it; readers ignore it). One writer per run folder
+(``records.RunLock``). A record is reused only when everything that changes an answer is the same: the model
+(name and a fingerprint of its weights), dtype, device kind, the problem's content, the policy with every
+parameter (defaults filled in, so ``--hbm-ratio 0.3`` and the default are one configuration), generation
+settings and seed (``EvalConfig.key``). Sampled runs draw each (problem, sample) from its own seed, one at a
+time, so results do not depend on how problems were batched.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -20,9 +25,30 @@ import torch
 from .datasets import Problem, check_benchmark, load_problems
 from .grading import extract_answer, grade
 from .prompts import build_prompt
+from .records import (RECORDS, RunLock, check_run_dir, dedupe, open_for_append, problem_hash, read_records,
+                      stable_hash)
 
 log = logging.getLogger(__name__)
-RECORDS = "records.jsonl"
+__all__ = ["EvalConfig", "RECORDS", "load_all", "read_records", "run_eval", "validate_policy"]
+
+
+def validate_policy(policy: str, params: dict) -> dict:
+    """Names *and* values of a policy's parameters, checked without a model (a throwaway one-layer cache);
+    returns the parameters with every default filled in."""
+    from ..policies import get_policy
+
+    cls = get_policy(policy)
+    cls.check_params(params)
+    try:
+        cls.build(1, **params)
+    except TypeError as e:  # a value of the wrong kind that the policy's checks did not name
+        raise ValueError(f"bad parameter for policy {policy!r}: {e}") from None
+    return {**cls.params(), **params}
+
+
+def _finite(name: str, x) -> None:
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"{name} must be a finite number, got {x!r}")
 
 
 @dataclass
@@ -41,50 +67,54 @@ class EvalConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        from ..policies import get_policy
-
         check_benchmark(self.benchmark)
-        get_policy(self.policy).check_params(self.params)
-        if self.limit is not None and (not isinstance(self.limit, int) or self.limit < 1):
+        if not isinstance(self.params, dict):
+            raise ValueError(f"policy parameters must be a mapping, got {self.params!r}")
+        self.full_params = validate_policy(self.policy, self.params)
+        if self.limit is not None and (isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit < 1):
             raise ValueError(f"--limit must be an integer >= 1, got {self.limit!r}")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not isinstance(self.samples, int) or self.samples < 1:
+        if isinstance(self.samples, bool) or not isinstance(self.samples, int) or self.samples < 1:
             raise ValueError(f"--samples must be an integer >= 1, got {self.samples!r}")
-        if self.temperature < 0 or not 0 < self.top_p <= 1:
-            raise ValueError("--temperature must be >= 0 and --top-p in (0, 1]")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"--seed must be an integer, got {self.seed!r}")
+        _finite("--temperature", self.temperature)
+        _finite("--top-p", self.top_p)
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top-p must be in (0, 1], got {self.top_p!r}")
         if self.samples > 1 and self.temperature == 0:
             raise ValueError("--samples > 1 needs --temperature > 0 (greedy samples would all be equal)")
 
-    def key(self) -> str:
-        """Identity of the configuration (problems excluded, limit excluded so a larger --limit resumes)."""
-        d = asdict(self)
-        d.pop("limit")
-        return hashlib.sha1(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
+    def key_inputs(self, identity: dict, problem_set: str = "") -> dict:
+        """Everything that can change an answer (``limit`` and ``samples`` only add problems or samples);
+        ``problem_set`` fingerprints what the benchmark's problems were read from."""
+        return {
+            **identity,
+            "benchmark": self.benchmark,
+            "problem_set": problem_set,
+            "policy": self.policy,
+            "params": self.full_params,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": float(self.temperature),
+            "top_p": float(self.top_p) if self.temperature > 0 else 1.0,
+            "seed": self.seed if self.temperature > 0 else 0,  # greedy decoding uses no randomness
+        }
+
+    def key(self, identity: dict, problem_set: str = "") -> str:
+        return stable_hash(self.key_inputs(identity, problem_set))
 
 
-def _repair_and_read(path: Path) -> list[dict]:
-    """Records in ``path``; a torn last line (killed mid-write) is cut off so appends stay well formed."""
-    if not path.exists():
-        return []
-    data = path.read_bytes()
-    cut = data.rfind(b"\n") + 1
-    if cut != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-        data = data[:cut]
-    out = []
-    for line in data.decode("utf-8").splitlines():
-        if line.strip():
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError:
-                log.warning("skipping an unreadable line in %s", path)
-    return out
+def run_identity(name: str, model) -> dict:
+    """The model side of a resume key: name, weights fingerprint, dtype, device kind."""
+    from ..models import model_fingerprint
 
-
-def read_records(out_dir: str | Path) -> list[dict]:
-    return _repair_and_read(Path(out_dir) / RECORDS)
+    dev = model.device
+    kind = torch.cuda.get_device_name(dev) if dev.type == "cuda" else dev.type
+    return {"model": name, "model_fingerprint": model_fingerprint(name), "dtype": str(model.dtype).removeprefix("torch."),
+            "device": kind}
 
 
 def _row_stats(cache, row: int) -> dict:
@@ -110,6 +140,31 @@ def load_all(cfgs: list[EvalConfig], data_dir: str | Path | None = None) -> dict
     return problems
 
 
+def check_positions(cfgs: list[EvalConfig], problems: dict[str, list[Problem]], tok, limit: int | None) -> None:
+    """Prompt + max_new_tokens must fit the model's positions (``max_position_embeddings``)."""
+    if not limit:
+        return
+    for c in cfgs:
+        if c.max_new_tokens >= limit:
+            raise ValueError(f"--max-new-tokens {c.max_new_tokens} does not fit the model's {limit} positions")
+        probs = problems[c.benchmark][: c.limit] if c.limit else problems[c.benchmark]
+        for p in probs:
+            n = len(tok(build_prompt(tok, c.benchmark, p)).input_ids)
+            if n + c.max_new_tokens > limit:
+                raise ValueError(f"problem {p.id}: {n} prompt tokens + --max-new-tokens {c.max_new_tokens} exceed the "
+                                 f"model's {limit} positions; lower --max-new-tokens")
+
+
+def position_limit(model) -> int | None:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return getattr(cfg, "max_position_embeddings", None)
+
+
+def sample_seed(seed: int, problem_id: str, sample: int) -> int:
+    """A per-(problem, sample) seed, independent of batch composition and order."""
+    return int(stable_hash([seed, problem_id, sample], n=15), 16)
+
+
 def run_eval(
     cfgs: Iterable[EvalConfig],
     out_dir: str | Path,
@@ -118,50 +173,74 @@ def run_eval(
     device: str = "auto",
     dtype: str = "auto",
     on_progress: Callable[[dict], None] | None = None,
-    loaded: tuple | None = None,
+    loaded: tuple | Callable[[], tuple] | None = None,
     problems: dict[str, list[Problem]] | None = None,
-) -> Path:
-    """Evaluate every configuration; returns the records path. Configurations share one loaded model.
+) -> list[str]:
+    """Evaluate every configuration into ``out_dir/records.jsonl``; returns the configurations' keys.
 
-    ``problems`` (from :func:`load_all`) and ``loaded`` (model, tokenizer) may be prepared by the caller, so that
-    every input error surfaces before anything starts.
+    Everything is checked before the folder is touched; the folder is then locked (one writer), the model loaded
+    (``loaded`` may be ``(model, tokenizer)`` or a callable returning it), prompt lengths checked against the
+    model's positions, and only then does generation start.
     """
     import kvtier
 
     cfgs = list(cfgs)
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not cfgs:
+        raise ValueError("nothing to run: no configurations")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"--batch-size must be an integer >= 1, got {batch_size!r}")
+    if len({c.model for c in cfgs}) != 1:
+        raise ValueError("one run evaluates one model; got " + ", ".join(sorted({c.model for c in cfgs})))
+    out = check_run_dir(out_dir)
     if problems is None:
         problems = load_all(cfgs, data_dir)
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / RECORDS
-    done = {(r["config_key"], r["id"], r["sample"]) for r in _repair_and_read(path)}
-    if loaded is None:
-        loaded = kvtier.load_model(cfgs[0].model, device=device, dtype=dtype)
-    model, tok = loaded
-    todo = []
-    for c in cfgs:
-        probs = problems[c.benchmark][: c.limit] if c.limit else problems[c.benchmark]
-        for p in probs:
-            for s in range(c.samples):
-                if (c.key(), p.id, s) not in done:
-                    todo.append((c, p, s))
+    with RunLock(out):
+        existing, path = open_for_append(out)
+        if callable(loaded):
+            loaded = loaded()
+        elif loaded is None:
+            loaded = kvtier.load_model(cfgs[0].model, device=device, dtype=dtype)
+        model, tok = loaded
+        check_positions(cfgs, problems, tok, position_limit(model))
+        identity = run_identity(cfgs[0].model, model)
+        sets = {b: getattr(ps, "fingerprint", "") for b, ps in problems.items()}
+        keys = [c.key(identity, sets[c.benchmark]) for c in cfgs]
+        done = {(r["config_key"], r["id"], r.get("sample", 0), r.get("problem_hash")) for r in dedupe(existing)}
+        todo = []
+        for c, key in zip(cfgs, keys):
+            probs = problems[c.benchmark][: c.limit] if c.limit else problems[c.benchmark]
+            for p in probs:
+                ph = problem_hash(p.question, p.gold, p.choices)
+                for s in range(c.samples):
+                    if (key, p.id, s, ph) not in done:
+                        done.add((key, p.id, s, ph))  # a config listed twice runs once
+                        todo.append((c, key, p, s, ph))
+        _run_todo(model, tok, todo, path, batch_size, identity, sets, on_progress)
+    return keys
+
+
+def _run_todo(model, tok, todo, path: Path, batch_size: int, identity: dict, sets: dict, on_progress) -> None:
     total = len(todo)
     progress = {"done": 0, "total": total, "tokens": 0, "seconds": 0.0}
     if on_progress:
         on_progress(dict(progress))
-    with open(path, "a", encoding="utf-8") as f:
+    f = None
+    try:
         i = 0
         while i < total:
-            c = todo[i][0]
+            c, key = todo[i][0], todo[i][1]
+            # sampled runs: one (problem, sample) at a time, each from its own seed
+            size = 1 if c.temperature > 0 else batch_size
             batch = [todo[i]]
-            while len(batch) < batch_size and i + len(batch) < total and todo[i + len(batch)][0] is c:
+            while len(batch) < size and i + len(batch) < total and todo[i + len(batch)][1] == key:
                 batch.append(todo[i + len(batch)])
             i += len(batch)
-            recs = _run_batch(model, tok, c, batch)
+            recs = _run_batch(model, tok, c, key, batch, c.key_inputs(identity, sets[c.benchmark]))
+            if f is None:  # opened at the first record: a run that produces nothing leaves no file
+                f = open(path, "a", encoding="utf-8")
             for r in recs:
-                f.write(json.dumps(r) + "\n")
+                f.write(json.dumps(r, allow_nan=False) + "\n")
             f.flush()
             os.fsync(f.fileno())
             progress["done"] += len(batch)
@@ -169,7 +248,9 @@ def run_eval(
             progress["seconds"] += recs[0]["batch_seconds"]
             if on_progress:
                 on_progress(dict(progress))
-    return path
+    finally:
+        if f is not None:
+            f.close()
 
 
 def _as_set(ids) -> set[int]:
@@ -178,15 +259,15 @@ def _as_set(ids) -> set[int]:
     return {ids} if isinstance(ids, int) else set(ids)
 
 
-def _run_batch(model, tok, c: EvalConfig, batch: list) -> list[dict]:
+def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dict) -> list[dict]:
     import kvtier
 
-    prompts = [build_prompt(tok, c.benchmark, p) for _, p, _ in batch]
+    prompts = [build_prompt(tok, c.benchmark, p) for _, _, p, _, _ in batch]
     enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
     cache = kvtier.make_cache(c.policy, model, **c.params)
     gen = dict(max_new_tokens=c.max_new_tokens, pad_token_id=tok.pad_token_id)
     if c.temperature > 0:
-        torch.manual_seed(c.seed * 1_000_003 + batch[0][2])
+        torch.manual_seed(sample_seed(c.seed, batch[0][2].id, batch[0][3]))
         gen.update(do_sample=True, temperature=c.temperature, top_p=c.top_p)
     else:
         gen.update(do_sample=False, temperature=None, top_p=None, top_k=None)
@@ -202,7 +283,7 @@ def _run_batch(model, tok, c: EvalConfig, batch: list) -> list[dict]:
     eos = _as_set(tok.eos_token_id) | _as_set(getattr(model.generation_config, "eos_token_id", None))
     stats = cache.stats()
     recs = []
-    for row, (cfg, p, s) in enumerate(batch):
+    for row, (cfg, _, p, s, ph) in enumerate(batch):
         ids = out[row, plen:].tolist()
         n_gen = next((j + 1 for j, x in enumerate(ids) if x in eos or x == tok.pad_token_id), len(ids))
         text = tok.decode(ids[:n_gen], skip_special_tokens=True)
@@ -210,7 +291,9 @@ def _run_batch(model, tok, c: EvalConfig, batch: list) -> list[dict]:
             "benchmark": cfg.benchmark,
             "id": p.id,
             "sample": s,
-            "config_key": cfg.key(),
+            "config_key": key,
+            "problem_hash": ph,
+            "key_inputs": key_inputs,
             "policy": cfg.policy,
             "params": cfg.params,
             "model": cfg.model,

@@ -43,9 +43,25 @@ def parse_compare(value) -> tuple[str, ...]:
 
 def expand_grid(model: str, benchmarks: list[str], policies: list[str], evict_ratios: list[float],
                 hbm_ratios: list[float], quant_ratio: float = 0.0, policy_params: dict | None = None,
-                compare=("equal-eviction",), budget_tokens=(), **gen) -> list[EvalConfig]:
+                compare=("equal-eviction",), budget_tokens=(), skipped: list[str] | None = None,
+                **gen) -> list[EvalConfig]:
+    """Every configuration of the grid, each validated (names and values) before anything runs.
+
+    Tiered/quant points whose ratios sum over 1 are left out and described in ``skipped``; a value outside
+    [0, 1] is an error, and so is a policy left with no point at all.
+    """
     policy_params = policy_params or {}
+    if not isinstance(policy_params, dict) or not all(isinstance(v, dict) for v in policy_params.values()):
+        raise ValueError("policy_params must map a policy name to a mapping of its parameters")
+    for pol in policy_params:
+        get_policy(pol)
     compare = parse_compare(compare)
+    for flag, xs in (("--evict-ratio", evict_ratios), ("--hbm-ratio", hbm_ratios), ("--quant-ratio", [quant_ratio])):
+        for x in xs:
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or not 0 <= x <= 1:
+                raise ValueError(f"{flag} values must be numbers in [0, 1], got {x!r}")
+    if not benchmarks or not policies:
+        raise ValueError("a sweep needs at least one --benchmark and one --policy")
     for k in budget_tokens:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"--budget-tokens must be integers >= 1, got {k!r}")
@@ -64,10 +80,15 @@ def expand_grid(model: str, benchmarks: list[str], policies: list[str], evict_ra
             elif pol == "tiered":
                 grid = [dict(hbm_ratio=h, evict_ratio=e, quant_ratio=quant_ratio) for e in evict_ratios for h in hbm_ratios
                         if h + e + quant_ratio <= 1 + 1e-9]
+                if skipped is not None:
+                    skipped += [f"{pol} hbm {h} + evict {e} + quant {quant_ratio}" for e in evict_ratios for h in hbm_ratios
+                                if h + e + quant_ratio > 1 + 1e-9]
             elif pol == "evict":
                 grid = [dict(evict_ratio=e) for e in evict_ratios]
             elif pol == "quant":
                 grid = [dict(hbm_ratio=h, evict_ratio=e) for e in evict_ratios for h in hbm_ratios if h + e <= 1 + 1e-9]
+                if skipped is not None:
+                    skipped += [f"{pol} hbm {h} + evict {e}" for e in evict_ratios for h in hbm_ratios if h + e > 1 + 1e-9]
             else:
                 grid = []
                 if "equal-eviction" in compare:
@@ -75,6 +96,9 @@ def expand_grid(model: str, benchmarks: list[str], policies: list[str], evict_ra
                 if "equal-memory" in compare and pol != "snapkv":
                     grid += [dict(budget_ratio=h, budget_floor=floor) for h in hbm_ratios if h > 0]
                 grid += [dict(budget_tokens=k) for k in budget_tokens]
+            if not grid:
+                raise ValueError(f"policy {pol!r} has no grid point: every ratio combination is out of range "
+                                 "(eviction 1 leaves nothing for the baselines; tiered needs hbm + evict + quant <= 1)")
             for params in grid:
                 cfgs.append(EvalConfig(model=model, benchmark=bench, policy=pol, params={**extra, **params}, **gen))
     return cfgs
@@ -85,11 +109,24 @@ def load_config_file(path: str | Path) -> dict:
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"--config {p} does not exist")
-    if p.suffix == ".toml":
-        try:
-            import tomllib
-        except ImportError:  # Python 3.10
-            raise ValueError("TOML sweep configs need Python >= 3.11; use a JSON file") from None
-
-        return tomllib.loads(p.read_text())
-    return json.loads(p.read_text())
+    try:
+        text = p.read_text(encoding="utf-8")
+        if p.suffix == ".toml":
+            try:
+                import tomllib
+            except ImportError:  # Python 3.10
+                raise ValueError("TOML sweep configs need Python >= 3.11; use a JSON file") from None
+            data = tomllib.loads(text)
+        else:
+            data = json.loads(text)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--config {p} is not UTF-8 text ({e.reason})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--config {p} line {e.lineno}: not valid JSON ({e.msg})") from None
+    except Exception as e:  # tomllib.TOMLDecodeError
+        if type(e).__name__ == "TOMLDecodeError":
+            raise ValueError(f"--config {p}: not valid TOML ({e})") from None
+        raise
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {p} must hold an object of sweep options, got {type(data).__name__}")
+    return data
