@@ -518,11 +518,9 @@ def _check_json_out(path: Path) -> None:
     """--json must name a file we can write, checked before minutes of benchmarking."""
     if path.is_dir() or str(path).endswith(("/", "\\")):
         raise ValueError(f"--json {path} is a directory; give a file name, e.g. {path / 'bench.json'}")
-    for parent in path.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise ValueError(f"--json {path}: {parent} is a file, not a directory")
-            break
+    from .eval.records import check_parents
+
+    check_parents(path, "--json")
 
 
 def _write_json(path: Path, obj: dict) -> None:

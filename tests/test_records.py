@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 import kvtier
 from conftest import DATA_DIR, prompt_ids
 from kvtier.cli import app
-from kvtier.models import preset_config, random_model
+from kvtier.models import preset_config
 
 pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="shared benchmark data not found next to the repo")
 runner = CliRunner()

@@ -67,16 +67,21 @@ class RunLock:
             self._fd = None
 
 
+def check_parents(path: Path, flag: str) -> None:
+    """The nearest existing folder above ``path`` must be a folder, so that ``path`` can be created."""
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise RecordsError(f"{flag} {path}: {parent} is a file, not a directory")
+            return
+
+
 def check_run_dir(run_dir: str | Path, flag: str = "--out") -> Path:
     """A run folder that can be created or reused; a clear error when it names a file."""
     p = Path(run_dir)
     if p.exists() and not p.is_dir():
         raise RecordsError(f"{flag} {p} is a file; give a directory (records go to {p}/{RECORDS})")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise RecordsError(f"{flag} {p}: {parent} is a file, not a directory")
-            break
+    check_parents(p, flag)
     return p
 
 

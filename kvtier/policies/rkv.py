@@ -117,6 +117,14 @@ def rkv_scores(q_win, keys, valid, scaling, window, kernel_size, lam, threshold,
     return torch.cat([score, torch.full((B, H, w), float("inf"), device=keys.device)], dim=-1)
 
 
+def check_schedule(policy: str, window, buffer, kernel_size) -> None:
+    """The observation window, compression interval and pooling kernel shared by R-KV and decode-time SnapKV."""
+    for name, val in (("window", window), ("buffer", buffer), ("kernel_size", kernel_size)):
+        check_number(policy, name, val, 1, integer=True)
+    if kernel_size % 2 == 0:
+        raise ValueError(f"kernel_size must be odd for policy {policy!r} (same padding), got {kernel_size}")
+
+
 class RKVPolicy(Policy):
     name = "rkv"
     description = "importance minus redundancy, per kv-head (Cai et al. 2025; the authors' code)"
@@ -135,10 +143,7 @@ class RKVPolicy(Policy):
         threshold: float = 0.5,
         protect_prompt: bool = False,
     ) -> HeadwiseCache:
-        for name, val in (("window", window), ("buffer", buffer), ("kernel_size", kernel_size)):
-            check_number(cls.name, name, val, 1, integer=True)
-        if kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd for policy 'rkv' (same padding), got {kernel_size}")
+        check_schedule(cls.name, window, buffer, kernel_size)
         if isinstance(lam, str):
             if lam not in LAMBDAS:
                 raise ValueError(f"lam must be a number in [0, 1] or one of {sorted(LAMBDAS)} for policy 'rkv', got {lam!r}")

@@ -14,9 +14,8 @@ For the original prompt-only SnapKV (Li et al. 2024) use ``snapkv``.
 from __future__ import annotations
 
 from ..headwise import EvictionBudget, HeadwiseCache
-from ..layer_base import check_number
 from .base import Policy
-from .rkv import RKVScorer
+from .rkv import RKVScorer, check_schedule
 
 
 class SnapKVDecodePolicy(Policy):
@@ -35,10 +34,7 @@ class SnapKVDecodePolicy(Policy):
         kernel_size: int = 7,
         protect_prompt: bool = False,
     ) -> HeadwiseCache:
-        for name, val in (("window", window), ("buffer", buffer), ("kernel_size", kernel_size)):
-            check_number(cls.name, name, val, 1, integer=True)
-        if kernel_size % 2 == 0:
-            raise ValueError(f"kernel_size must be odd for policy 'snapkv_decode' (same padding), got {kernel_size}")
+        check_schedule(cls.name, window, buffer, kernel_size)
         scorer = RKVScorer(window, buffer, kernel_size, lam=1.0, threshold=0.5, redundancy=False)
         scorer.name = cls.name
         budget = EvictionBudget(budget_ratio, budget_tokens, budget_floor)
