@@ -144,15 +144,18 @@ def check_positions(cfgs: list[EvalConfig], problems: dict[str, list[Problem]], 
     """Prompt + max_new_tokens must fit the model's positions (``max_position_embeddings``)."""
     if not limit:
         return
+    longest: dict[tuple[str, int | None], tuple[int, str]] = {}  # (benchmark, limit) -> (prompt tokens, problem id)
     for c in cfgs:
         if c.max_new_tokens >= limit:
             raise ValueError(f"--max-new-tokens {c.max_new_tokens} does not fit the model's {limit} positions")
-        probs = problems[c.benchmark][: c.limit] if c.limit else problems[c.benchmark]
-        for p in probs:
-            n = len(tok(build_prompt(tok, c.benchmark, p)).input_ids)
-            if n + c.max_new_tokens > limit:
-                raise ValueError(f"problem {p.id}: {n} prompt tokens + --max-new-tokens {c.max_new_tokens} exceed the "
-                                 f"model's {limit} positions; lower --max-new-tokens")
+        k = (c.benchmark, c.limit)
+        if k not in longest:
+            probs = problems[c.benchmark][: c.limit] if c.limit else problems[c.benchmark]
+            longest[k] = max((len(tok(build_prompt(tok, c.benchmark, p)).input_ids), p.id) for p in probs)
+        n, pid = longest[k]
+        if n + c.max_new_tokens > limit:
+            raise ValueError(f"problem {pid}: {n} prompt tokens + --max-new-tokens {c.max_new_tokens} exceed the "
+                             f"model's {limit} positions; lower --max-new-tokens")
 
 
 def position_limit(model) -> int | None:
