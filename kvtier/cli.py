@@ -304,7 +304,7 @@ def eval_cmd(
             run_eval([cfg], out, batch_size=batch_size, on_progress=progress,
                      loaded=lambda: kvtier.load_model(model, device=device, dtype=dtype), problems=problems)
         paths = write_report(out)
-        console.print(paths["md"].read_text())
+        console.print(paths["md"].read_text(), soft_wrap=True, markup=False, highlight=False)
 
     _run(go)
 
@@ -392,7 +392,7 @@ def sweep(
             run_eval(cfgs, out, batch_size=bs, on_progress=progress,
                      loaded=lambda: kvtier.load_model(cfgs[0].model, device=dev, dtype=dt), problems=problems)
         paths = write_report(out)
-        console.print(paths["md"].read_text())
+        console.print(paths["md"].read_text(), soft_wrap=True, markup=False, highlight=False)
 
     _run(go)
 
@@ -406,7 +406,7 @@ def report(run_dir: Path = typer.Argument(..., help="a directory written by eval
         from .eval.report import write_report
 
         paths = write_report(run_dir, out)
-        console.print(paths["md"].read_text())
+        console.print(paths["md"].read_text(), soft_wrap=True, markup=False, highlight=False)
         for k, p in paths.items():
             if p.suffix == ".png":
                 console.print(f"plot: {p}")
