@@ -1,12 +1,16 @@
-"""Eviction caches that choose tokens per (layer, kv-head): the published baselines (H2O, R-KV, StreamingLLM).
+"""Eviction caches that choose tokens per (layer, kv-head): the published baselines (H2O, R-KV, StreamingLLM,
+SnapKV and its decode-time variant).
 
-Bookkeeping (:class:`HeadwiseState`, budgets) is shared by all layers; each :class:`HeadwiseLayer` holds its
-K/V on the device as (B, H, S, D) with the position of every slot, so different heads may keep different
+Bookkeeping (:class:`HeadwiseState`, budgets, limits) is shared by all layers; each :class:`HeadwiseLayer` holds
+its K/V on the device as (B, H, S, D) with the position of every slot, so different heads may keep different
 positions while the tensors stay rectangular (every head of a row keeps the same number of tokens).
-A policy plugs in a :class:`Scorer`: what to observe after attention, when to compress and what to keep.
+A policy plugs in a :class:`Scorer`: what to observe after attention, when to compress, its must-keep set and
+its score.
 
 Budgets: exactly one of ``budget_ratio`` (fraction of each row's logical length, floor, at least 1) or
-``budget_tokens`` (a fixed count). Left padding is never kept over a real token: invalid slots rank last.
+``budget_tokens`` (a fixed count), optionally raised by ``budget_floor`` (equal-memory comparisons). A row keeps
+``max(budget, |forced|)``: the forced set (must-keep + protected prompt) always, the rest by score. Left padding
+is never kept over a real token: invalid slots rank last.
 """
 
 from __future__ import annotations
