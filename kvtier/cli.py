@@ -105,22 +105,6 @@ def _check_limits(model: str, max_new_tokens: int) -> None:
         raise ValueError(f"--max-new-tokens {max_new_tokens} does not fit {model}'s {lim} positions")
 
 
-def _floats(s: str | None, name: str) -> list[float]:
-    if s is None:
-        return []
-    try:
-        return [float(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        _fail(f"{name} must be comma-separated numbers, got {s!r}")
-
-
-def _ints(s: str, name: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x.strip()]
-    except ValueError:
-        _fail(f"{name} must be comma-separated integers, got {s!r}")
-
-
 def _numbers(name: str, xs) -> list[float]:
     """Finite numbers from a flag or a config file; one clear error otherwise."""
     import math
@@ -493,10 +477,10 @@ def bench(
             model=model or ("random:qwen2-7b" if gpu else EMBEDDED),
             context=(4096 if gpu else 512) if context is None else context,
             new_tokens=(256 if gpu else 64) if new_tokens is None else new_tokens,
-            batches=tuple(_ints(batch or ("1,8" if gpu else "1,4"), "--batch")),
+            batches=tuple(_int_option("--batch", x) for x in (batch or ("1,8" if gpu else "1,4")).split(",") if x.strip()),
             policies=tuple(p.strip() for p in policy.split(",") if p.strip()),
-            hbm_ratios=tuple(_floats(hbm_ratio, "--hbm-ratio")),
-            evict_ratios=tuple(_floats(evict_ratio, "--evict-ratio")),
+            hbm_ratios=tuple(_numbers("--hbm-ratio", [x for x in hbm_ratio.split(",") if x.strip()])),
+            evict_ratios=tuple(_numbers("--evict-ratio", [x for x in evict_ratio.split(",") if x.strip()])),
             retier_interval=retier_interval, recent_window=recent_window, repeats=repeats, stock=stock,
             t1_on_device=t1_on_device, device=device, dtype=dtype,
         )

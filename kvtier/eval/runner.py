@@ -140,6 +140,11 @@ def load_all(cfgs: list[EvalConfig], data_dir: str | Path | None = None) -> dict
     return problems
 
 
+def config_problems(c: EvalConfig, problems: dict[str, list[Problem]]) -> list[Problem]:
+    """The problems configuration ``c`` evaluates: its benchmark's, the first ``limit`` of them."""
+    return problems[c.benchmark][: c.limit] if c.limit else problems[c.benchmark]
+
+
 def check_positions(cfgs: list[EvalConfig], problems: dict[str, list[Problem]], tok, limit: int | None) -> None:
     """Prompt + max_new_tokens must fit the model's positions (``max_position_embeddings``)."""
     if not limit:
@@ -150,7 +155,7 @@ def check_positions(cfgs: list[EvalConfig], problems: dict[str, list[Problem]], 
             raise ValueError(f"--max-new-tokens {c.max_new_tokens} does not fit the model's {limit} positions")
         k = (c.benchmark, c.limit)
         if k not in longest:
-            probs = problems[c.benchmark][: c.limit] if c.limit else problems[c.benchmark]
+            probs = config_problems(c, problems)
             longest[k] = max((len(tok(build_prompt(tok, c.benchmark, p)).input_ids), p.id) for p in probs)
         n, pid = longest[k]
         if n + c.max_new_tokens > limit:
@@ -212,8 +217,7 @@ def run_eval(
         done = {(r["config_key"], r["id"], r.get("sample", 0), r.get("problem_hash")) for r in dedupe(existing)}
         todo = []
         for c, key in zip(cfgs, keys):
-            probs = problems[c.benchmark][: c.limit] if c.limit else problems[c.benchmark]
-            for p in probs:
+            for p in config_problems(c, problems):
                 ph = problem_hash(p.question, p.gold, p.choices)
                 for s in range(c.samples):
                     if (key, p.id, s, ph) not in done:
