@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The GPU check (issue: systems). One script, under 8 minutes on one H200, nothing downloaded:
-#   - the CUDA tests (pinned T1, side-stream staging, bit-exact tiered == full on the GPU);
-#   - `kvtier bench` on random-weight Qwen2-7B shapes in bf16, 4K context, batch 1 and 8,
-#     full vs tiered at hbm 0.3 / 0.5 / 0.7 (evict 0.03), JSON written to $OUT (or benchmarks/results).
+# The GPU check. One script, about 8 minutes on one H200, nothing downloaded:
+#   - the CUDA tests (pinned T1, side-stream staging, bit-exact tiered == full on the GPU; split attention with T1
+#     streamed and attended on the host vs the ordered path);
+#   - `kvtier bench` on random-weight Qwen2-7B shapes in bf16, contexts 4096 and 16384, batch 1 and 8: stock
+#     DynamicCache / StaticCache, kvtier full, tiered at hbm 0.5 (evict 0.03) in every T1 mode (split: stream,
+#     host, auto) and ordered; JSON and text written to $OUT (or benchmarks/results).
+#   - `kvtier plan` for the same points (the floors the bench is compared with).
 #
 # The device has torch 2.11 and transformers 5.17; kvtier pins transformers 5.24, whose needs the device already
 # meets (huggingface-hub 1.33, tokenizers 0.23.2, safetensors 0.8, typer, rich, pytest are there). Carry one wheel:
@@ -20,8 +23,13 @@ else
 fi
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-python3 -m pytest -q -p no:cacheprovider tests/test_systems.py -k cuda
+python3 -m pytest -q -p no:cacheprovider tests/test_systems.py tests/test_split_attention.py -k cuda
 stamp="$(date -u +%Y-%m-%d)"
-python3 -m kvtier bench --model random:qwen2-7b --context 4096 --new-tokens 256 --batch 1,8 \
-  --policy full,tiered --hbm-ratio 0.3,0.5,0.7 --evict-ratio 0.03 --repeats 2 --device cuda --dtype bf16 \
-  --json "$OUT/gpu_h200_qwen2-7b_${stamp}.json" | tee "$OUT/gpu_h200_qwen2-7b_${stamp}.txt"
+for ctx in 4096 16384; do
+  python3 -m kvtier plan --model random:qwen2-7b --batch 8 --seq-len "$ctx" --hbm-ratio 0.5 --evict-ratio 0.03 \
+    --hardware h200 | tee "$OUT/gpu_h200_plan_ctx${ctx}_${stamp}.txt"
+  python3 -m kvtier bench --model random:qwen2-7b --context "$ctx" --new-tokens 128 --batch 1,8 \
+    --policy full,tiered --hbm-ratio 0.5 --evict-ratio 0.03 --repeats 1 --device cuda --dtype bf16 \
+    --attention split,ordered --t1-attention stream,host,auto \
+    --json "$OUT/gpu_h200_qwen2-7b_ctx${ctx}_${stamp}.json" | tee "$OUT/gpu_h200_qwen2-7b_ctx${ctx}_${stamp}.txt"
+done

@@ -51,7 +51,7 @@ def kvtier_attention(
         scaling = query.shape[-1] ** -0.5
     if layer.layer_idx == 0 and query.shape[2] > 1:
         layer.check_model(module, key)
-    return layer.attend(query, attention_mask, scaling)
+    return layer.attend(query, key, value, attention_mask, scaling)
 
 
 def _register() -> None:

@@ -1,7 +1,8 @@
 """System benchmark: decode throughput and transfer costs of each policy, measured side by side in one run.
 
-For every batch size the same random prompt is decoded by stock transformers (SDPA + ``DynamicCache``),
-kvtier ``full`` and every requested policy/ratio, repeats interleaved (A B C A B C ...) so that drift hits
+For every batch size the same random prompt is decoded by stock transformers (SDPA + ``DynamicCache`` and SDPA +
+``StaticCache``, the strongest stock peer), kvtier ``full`` and every requested policy/ratio, each tiered point once
+per attention mode (``split``/``ordered``) and T1 mode (``stream``/``host``/``auto``), repeats interleaved (A B C A B C ...) so that drift hits
 all configurations alike. Each run: fresh cache, prefill, ``warmup_steps`` untimed decode steps (long enough
 for a first reassignment, so the tiered cache is in its steady state), then ``new_tokens`` timed steps with
 a device synchronize around the timer. Reported: median over repeats.
@@ -39,6 +40,8 @@ class BenchConfig:
     warmup_steps: int | None = None  # default: retier_interval + 8
     stock: bool = True
     t1_on_device: bool = False  # also time each tiered point with a device copy of T1 (the HBM-for-PCIe trade)
+    attentions: tuple[str, ...] = ("split",)  # each tiered point (and full) is timed once per attention mode
+    t1_attentions: tuple[str, ...] = ("auto",)  # ... and, in split mode, once per T1 mode
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -64,6 +67,13 @@ class BenchConfig:
                     raise ValueError(f"--{name[:-1].replace('_', '-')} values must be numbers in [0, 1], got {v!r}")
         if isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int) or self.recent_window < 0:
             raise ValueError(f"--recent-window must be an integer >= 0, got {self.recent_window!r}")
+        from .cache import ATTENTION_MODES, T1_MODES
+
+        for name, allowed in (("attentions", ATTENTION_MODES), ("t1_attentions", T1_MODES)):
+            values = getattr(self, name)
+            if not values or any(v not in allowed for v in values):
+                flag = "--attention" if name == "attentions" else "--t1-attention"
+                raise ValueError(f"{flag} values must be among {list(allowed)}, got {list(values)!r}")
 
 
 def _sync(device: torch.device) -> None:
@@ -86,11 +96,24 @@ def memcpy_peak_gbps(device: torch.device, mib: int = 256, reps: int = 5) -> flo
     return n / best / 1e9
 
 
+def _modes(cfg: BenchConfig) -> list[dict]:
+    """(attention, t1_attention) combinations: the ordered path streams (it attends on the device only)."""
+    out = []
+    for a in cfg.attentions:
+        for t in cfg.t1_attentions if a == "split" else ("stream",):
+            if dict(attention=a, t1_attention=t) not in out:
+                out.append(dict(attention=a, t1_attention=t))
+    return out
+
+
 def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
     out: list[tuple[str, dict]] = []
     if cfg.stock:
         out.append(("stock_sdpa", {}))
+        out.append(("stock_static", {}))
     out.append(("full", {}))
+    if "ordered" in cfg.attentions:
+        out.append(("full", {"attention": "ordered"}))
     for p in cfg.policies:
         if p == "full":
             continue
@@ -98,15 +121,18 @@ def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
         if p == "tiered":
             for e in cfg.evict_ratios:
                 for h in cfg.hbm_ratios:
-                    out.append((p, dict(hbm_ratio=h, evict_ratio=e, **common)))
+                    for mode in _modes(cfg):
+                        out.append((p, dict(hbm_ratio=h, evict_ratio=e, **mode, **common)))
                     if cfg.t1_on_device:
-                        out.append((p, dict(hbm_ratio=h, evict_ratio=e, t1_on_device=True, **common)))
+                        out.append((p, dict(hbm_ratio=h, evict_ratio=e, t1_on_device=True, t1_attention="stream",
+                                            **common)))
         elif p in ("evict",):
             for e in cfg.evict_ratios:
                 out.append((p, dict(evict_ratio=e, **common)))
         elif p == "quant":
             for h in cfg.hbm_ratios:
-                out.append((p, dict(hbm_ratio=h, **common)))
+                for mode in _modes(cfg):
+                    out.append((p, dict(hbm_ratio=h, **mode, **common)))
         else:
             for e in cfg.evict_ratios:
                 out.append((p, dict(budget_ratio=1.0 - e)))
@@ -137,6 +163,8 @@ def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, 
         tb, ta = before["transfer"], after["transfer"]
         rec.update(
             transfer_seconds=ta["seconds"] - tb["seconds"],
+            t1_mode=after["t1_attention"]["current"] if isinstance(after.get("t1_attention"), dict) else None,
+            peak_device_kv_bytes=after.get("peak_device_kv_bytes"),
             stream_h2d_bytes=ta["stream_h2d_bytes"] - tb["stream_h2d_bytes"],
             migration_bytes=(ta["migration_h2d_bytes"] + ta["migration_d2h_bytes"])
             - (tb["migration_h2d_bytes"] + tb["migration_d2h_bytes"]),
@@ -146,7 +174,8 @@ def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, 
             retiers=after["retiers"],
         )
     else:
-        kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers)
+        kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers
+                 if getattr(layer, "keys", None) is not None)
         rec.update(kv_bytes={"T0": kv, "T1": 0, "T2": 0}, allocated_bytes={"device": kv, "host": 0, "staging": 0})
     return rec
 
@@ -156,7 +185,7 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
     """Run the benchmark; returns a JSON-ready dict (``results``: one row per batch x configuration).
 
     ``on_rows`` gets the result so far each time a batch size's rows are finished (to save them as they come)."""
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
     import kvtier
 
@@ -176,6 +205,10 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
                 if name == "stock_sdpa":
                     model.set_attn_implementation("sdpa")
                     make = lambda: DynamicCache(config=model.config)  # noqa: E731
+                elif name == "stock_static":
+                    model.set_attn_implementation("sdpa")
+                    length = cfg.context + warmup + cfg.new_tokens + 1
+                    make = lambda n=length: StaticCache(config=model.config, max_cache_len=n)  # noqa: E731
                 else:
                     make = lambda n=name, p=params: kvtier.make_cache(n, model, **p)  # noqa: E731
                 rec = _one_run(model, ids, make, warmup, cfg.new_tokens, device)
@@ -214,14 +247,18 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
                     h2d_fraction_of_peak=((sb / ts / 1e9) / peak) if ts > 0 else None,
                     tokens=last["tokens"],
                     retiers=last["retiers"],
+                    t1_mode=last["t1_mode"],
+                    peak_device_kv_bytes=last["peak_device_kv_bytes"],
                 )
-            if name in ("full", "stock_sdpa"):
+            if (name == "full" and not params) or name in ("stock_sdpa", "stock_static"):
                 base[name] = row["decode_tok_s"]
             rows.append(row)
+        stock = max((base[k] for k in ("stock_sdpa", "stock_static") if k in base), default=None)
         for row in rows:
             if row["batch"] == B:
                 row["ratio_to_full"] = row["decode_tok_s"] / base["full"]
-                row["ratio_to_stock"] = row["decode_tok_s"] / base["stock_sdpa"] if "stock_sdpa" in base else None
+                # against the faster of the two stock paths, measured in the same run
+                row["ratio_to_stock"] = row["decode_tok_s"] / stock if stock else None
         if on_rows:
             on_rows(_result(cfg, device, warmup, peak, rows))
     return _result(cfg, device, warmup, peak, rows)

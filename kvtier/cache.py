@@ -1,22 +1,33 @@
 """The transformers ``Cache`` glue: one :class:`TierState` of shared bookkeeping, one :class:`TieredLayer` per layer.
 
-Data flow per decode step and layer:
-    update()  -> (layer 0) reassign tiers when due; (each layer) migrate changed tokens, append the new token
-    attend()  -> assemble T0 | stream(T1) | deq(T2) | tail in position order into a reused work buffer,
-                 exact softmax attention over it, add the attention weights to the cumulative scores.
+Data flow per layer:
+    prefill   -> SDPA over the prompt; then (layer 0) a placement of the prompt into tiers, and each layer stores
+                 its prompt K/V straight into T0 / T1, so device memory holds the T0 budget from the first step.
+    update()  -> (layer 0) reassign tiers when due; (each layer) move the tokens whose tier changed, append the
+                 new token to the device tail.
+    attend()  -> ``attention="split"``: one partial softmax per region where it lives (T0 and the tail on the
+                 device; T1 and deq(T2) streamed to the device or attended on the host, ``t1_attention``), merged
+                 by log-sum-exp (:mod:`kvtier.decode_attention`); nothing is assembled.
+                 ``attention="ordered"``: gather every kept token in position order into a reused work buffer and
+                 take one softmax over it (bit-identical across HBM ratios: the reference).
+                 Both add the merged attention weights to the cumulative scores.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from .config import TierConfig
+from .decode_attention import merge, ordered, partial, weights
+from .host_attention import HostAttention, HostRegion, host_tiers_partial
 from .layer_base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
-from .layout import TAIL, Layout, build_layout, dest_rows
+from .layout import TAIL, Layout, build_layout, gather_rows
 from .planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
 from .quant import dequantize, int8_bytes_per_token, quantize
 from .transfer import TransferEngine
@@ -24,58 +35,104 @@ from .transfer import TransferEngine
 log = logging.getLogger(__name__)
 
 _WORK_ALIGN = 256  # work-buffer capacity granularity: same length -> same strides -> same floats
+_TAIL_GRANULE = 64  # tail columns are allocated in steps of min(this, retier_interval)
+
+ATTENTION_MODES = ("split", "ordered")
+SCORE_DTYPE = torch.float64
+T1_MODES = ("auto", "stream", "host")
 
 
 def _roundup(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def check_modes(policy: str, attention: str, t1_attention: str = "auto", t1_on_device: bool = False) -> None:
+    """``ValueError`` naming the parameter when the attention settings are unknown or contradict each other."""
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {list(ATTENTION_MODES)} for policy {policy!r}, got {attention!r}")
+    if t1_attention not in T1_MODES:
+        raise ValueError(f"t1_attention must be one of {list(T1_MODES)} for policy {policy!r}, got {t1_attention!r}")
+    if not isinstance(t1_on_device, bool):
+        raise ValueError(f"t1_on_device must be True or False for policy {policy!r}, got {t1_on_device!r}")
+    if attention == "ordered" and t1_attention == "host":
+        raise ValueError(f"t1_attention='host' needs attention='split' for policy {policy!r}: the ordered path "
+                         "attends every kept token in one softmax on the device")
+    if t1_on_device and t1_attention == "host":
+        raise ValueError(f"t1_on_device=True keeps T1 on the device; it contradicts t1_attention='host' for policy {policy!r}")
+
+
 class TierState:
-    """Bookkeeping shared by all layers of one cache: lengths, validity, scores, placement.
+    """Bookkeeping shared by all layers of one cache: lengths, validity, scores, placement, attention mode.
 
     Positions are logical columns 0..n_total-1 of the batch (left padding included); each row's logical
     length N_b counts only its real positions.
     """
 
     def __init__(self, cfg: TierConfig, num_layers: int, retier: bool = True, policy: str = "tiered",
-                 t1_on_device: bool = False) -> None:
+                 t1_on_device: bool = False, attention: str = "split", t1_attention: str = "auto",
+                 host_threaded: bool | None = None) -> None:
+        check_modes(policy, attention, t1_attention, t1_on_device)
         self.cfg = cfg
         self.num_layers = num_layers
         self.retier_enabled = retier
         self.policy = policy
         self.t1_on_device = t1_on_device
+        self.attention = attention
+        self.t1_attention = t1_attention
+        self.host_threaded = host_threaded
+        self.host: HostAttention | None = None
+        self.bandwidth: dict[str, float] | None = None
         self.reset()
 
     def reset(self) -> None:
+        if self.host is not None:
+            self.host.close()
         self.batch = None
         self.device = None
         self.n_heads = None
         self.head_dim = None
         self.dtype = None
         self.engine: TransferEngine | None = None
+        self.host = None
         self.n_total = 0
         self.cap = 0
         self.valid = self.prompt = self.loc_tier = self.loc_idx = self.scores = self.valid_dev = None
-        self._lay_dev_key = None
-        self._lay_dev = None
+        self.scores_host = None
+        self.padded = False
         self.layout: Layout | None = None
         self.version = 0
         self.decode_steps = 0
         self.since_retier = 0
         self.retiers = 0
         self.changed_total: dict[str, int] = {}
-        self.peak_device_tokens = 0
+        self.host_attn = False  # this layout's T1/T2 are attended on the host
+        self.t1_modes: dict[str, int] = {}  # reassignments per chosen T1 mode
+        self._meta: dict = {}
+        self._meta_key = None
+        self._tail_pos = self._tail_valid = self._tail_invalid = None
+        self._tail_key = None
+        self._tail_filled = 0
+        self.n_heads_q = None
         self._step = None
         self._step_key = None
         self._dest_key = None
-        self._dest: dict[int, torch.Tensor] = {}
+        self._dest: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.layer_device_bytes = [0] * self.num_layers
+        self.peak_device_tokens = 0  # resident real tokens (T0 + tail), host arithmetic
+        self.peak_device_kv_bytes = 0
+        self.peak_device_bytes = 0
+        self._cuda_base = None
+        self._seen_alloc = -1
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _init(self, k: torch.Tensor) -> None:
         B, H, _, D = k.shape
         self.batch, self.n_heads, self.head_dim, self.dtype, self.device = B, H, D, k.dtype, k.device
-        self.engine = TransferEngine(k.device)
+        self.engine = TransferEngine(k.device, n_slots=self.num_layers if self.t1_on_device else 1)
+        self.host = HostAttention(k.device, self.num_layers, threaded=self.host_threaded)
         self.layout = Layout.empty(B)
+        if k.device.type == "cuda":
+            self._cuda_base = torch.cuda.memory_allocated(k.device)
         self._grow(256)
 
     def _grow(self, need: int) -> None:
@@ -84,8 +141,8 @@ class TierState:
         cap = max(need, 2 * self.cap, 256)
         B, old = self.batch, self.cap
 
-        def grown(t, fill, dtype):
-            out = torch.full((B, cap), fill, dtype=dtype)
+        def grown(t, fill, dtype, device=None):
+            out = torch.full((B, cap), fill, dtype=dtype, device=device)
             if t is not None:
                 out[:, :old] = t[:, :old]
             return out
@@ -94,13 +151,23 @@ class TierState:
         self.prompt = grown(self.prompt, False, torch.bool)
         self.loc_tier = grown(self.loc_tier, PAD, torch.int8)
         self.loc_idx = grown(self.loc_idx, 0, torch.long)
-        scores = torch.zeros(B, cap + 1, dtype=torch.float32, device=self.device)  # last column: trash
-        valid_dev = torch.zeros(B, cap, dtype=torch.bool, device=self.device)  # device mirror: no host sync per step
+        self.valid_dev = grown(self.valid_dev, False, torch.bool, self.device)  # device mirror: no host sync per step
+        # last column: trash, where weights of empty slots (exactly 0) land
+        # float64 accumulators: a long chain adds ~steps x layers weights of ~1/N each to every score; in float32
+        # the sum would lose the digits that rank close tokens (and depend on the summation order)
+        scores = torch.zeros(B, cap + 1, dtype=SCORE_DTYPE, device=self.device)
+        scores_host = torch.zeros(B, cap + 1, dtype=SCORE_DTYPE)
         if self.scores is not None:
             scores[:, :old] = self.scores[:, :old]
-            valid_dev[:, :old] = self.valid_dev[:, :old]
-        self.scores, self.valid_dev = scores, valid_dev
+            scores_host[:, :old] = self.scores_host[:, :old]
+        self.scores, self.scores_host = scores, scores_host
+        self.host.scores = scores_host
         self.cap = cap
+        self._meta_key = None  # trash column moved
+
+    @property
+    def inv_heads_layers(self) -> float:
+        return 1.0 / (self.n_heads_q * self.num_layers)
 
     def begin_update(self, k: torch.Tensor) -> None:
         """Called by layer 0 with the new keys (B, H, q, D) before any layer stores them."""
@@ -124,12 +191,6 @@ class TierState:
         if not is_decode:
             self.prompt[:, start : self.n_total] = True
 
-    def note_device_tokens(self) -> None:
-        """Track the peak of device-resident real tokens (T0 + tail): it peaks just before a reassignment."""
-        lay = self.layout
-        n = lay.tiers[T0].count + int(self.valid[:, lay.n_main : self.n_total].sum())
-        self.peak_device_tokens = max(self.peak_device_tokens, n)
-
     def note_validity(self, attention_mask: torch.Tensor | None, q: int) -> None:
         """Read which of the prompt's positions are padding from the mask's diagonal (B, 1, q, kv).
 
@@ -141,31 +202,143 @@ class TierState:
             return
         self.valid_dev[:, :q] = diag.to(self.device)
         self.valid[:, :q] = diag.cpu()
+        self.padded = not bool(self.valid[:, :q].all())
         self._step_key = None
 
+    # ---- device memory -----------------------------------------------------------------------
+    def note_device(self, layer_idx: int | None = None, nbytes: int = 0) -> None:
+        """Track the peak of real device buffers: KV (T0 + tail, all layers) and everything (+ staging, work)."""
+        if layer_idx is not None:
+            self.layer_device_bytes[layer_idx] = nbytes
+        kv = sum(self.layer_device_bytes)
+        self.peak_device_kv_bytes = max(self.peak_device_kv_bytes, kv)
+        self.peak_device_bytes = max(self.peak_device_bytes, kv + self.engine.device_bytes())
+        self._seen_alloc = self.engine.allocations
+
+    # ---- scores ------------------------------------------------------------------------------
+    def combined_scores(self) -> torch.Tensor:
+        """(B, cap + 1) float64 on the host: every position's cumulative score, wherever it accumulates
+        (the device accumulator, or the host one for T1/T2 tokens attended on the host)."""
+        s = self.scores.cpu()
+        if self.host_attn:
+            self.host.flush(self.inv_heads_layers)
+            n = self.n_total
+            on_host = (self.loc_tier[:, :n] == T1) | (self.loc_tier[:, :n] == T2)
+            s[:, :n] = torch.where(on_host, self.scores_host[:, :n], s[:, :n])
+        return s
+
     # ---- reassignment ------------------------------------------------------------------------
-    def plan(self) -> torch.Tensor:
+    def plan(self, scores: torch.Tensor | None = None, cfg: TierConfig | None = None) -> torch.Tensor:
         """Tier per position (B, n_total) for the current scores."""
         n = self.n_total
+        cfg = cfg or self.cfg
+        scores = self.combined_scores() if scores is None else scores
         valid = self.valid[:, :n]
-        prot = protected_mask(valid, self.prompt[:, :n], self.cfg)
+        prot = protected_mask(valid, self.prompt[:, :n], cfg)
         evicted = self.loc_tier[:, :n] == T3
-        return assign_tiers(self.scores[:, :n].cpu(), valid, prot, evicted, self.cfg)
+        return assign_tiers(scores[:, :n], valid, prot, evicted, cfg)
+
+    def place_prefill(self) -> None:
+        """The prompt's placement, right after prefill: T0 gets the protected set and the budget (scores are all 0
+        yet, so the newest tokens win the ties), the rest goes to the host in full precision. Nothing is evicted or
+        quantized before scores exist, so outputs are those of keeping the prompt on the device until the first
+        reassignment (Proposition 1), while device memory already holds only the budget."""
+        cfg = self.cfg
+        cfg = dataclasses.replace(cfg, evict_ratio=0.0, quant_ratio=0.0,
+                                  rest_tier="T1" if cfg.rest_tier == "T2" else cfg.rest_tier)
+        tiers = self.plan(torch.zeros(self.batch, self.n_total), cfg)
+        self._apply(tiers, None)
 
     def retier(self) -> None:
-        tiers = self.plan()
-        n = self.n_total
-        self.layout = build_layout(tiers, self.valid[:, :n], self.loc_tier, self.loc_idx, self.layout.n_main)
-        self.version += 1
+        combined = self.combined_scores()
+        self._apply(self.plan(combined), combined)
         self.retiers += 1
+        log.debug("retier %d at n=%d: %s", self.retiers, self.n_total, self.layout.changed)
+
+    def _apply(self, tiers: torch.Tensor, combined: torch.Tensor | None) -> None:
+        n = self.n_total
+        was_host = self.host_attn
+        self.layout = build_layout(tiers, self.valid[:, :n], self.loc_tier, self.loc_idx, self.layout)
+        self.version += 1
         self.since_retier = 0
         for key, v in self.layout.changed.items():
             self.changed_total[key] = self.changed_total.get(key, 0) + v
-        log.debug("retier %d at n=%d: %s", self.retiers, n, self.layout.changed)
+        self.host_attn = self._choose_host()
+        mode = "host" if self.host_attn else "stream"
+        self.t1_modes[mode] = self.t1_modes.get(mode, 0) + 1
+        if combined is not None and was_host:
+            self.scores.copy_(combined.to(self.device))  # the host part comes home; tokens may change sides
+        if combined is not None and self.host_attn:
+            self.scores_host.copy_(combined)
+        self.host.drop()
 
-    # ---- per-step views shared by all layers -------------------------------------------------
+    def _host_bytes_per_layer(self) -> int:
+        lay, H, D = self.layout, self.n_heads, self.head_dim
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return self.batch * H * (lay.tiers[T1].cap * D * 2 * elem + lay.tiers[T2].cap * (D + 4) * 2)
+
+    def _choose_host(self) -> bool:
+        """T1 mode of this layout. ``auto``: on a CPU the host *is* the device, so attending in place beats a copy;
+        on CUDA compare the time to stream the host tiers (pinned H2D) with the time to attend them on the host,
+        from bandwidths measured once."""
+        if self.attention == "ordered" or self.t1_on_device or self.t1_attention == "stream":
+            return False
+        if self.t1_attention == "host":
+            return True
+        if self.device.type != "cuda":
+            return True
+        bw = self.measure_bandwidth()
+        b = self._host_bytes_per_layer()
+        return b / (bw["host_attention_gbps"] * 1e9) + bw["host_latency_s"] < b / (bw["h2d_gbps"] * 1e9)
+
+    def measure_bandwidth(self) -> dict[str, float]:
+        """Pinned H2D GB/s and host-attention GB/s (+ one round trip's latency), measured once per cache."""
+        if self.bandwidth is None:
+            self.bandwidth = measure_bandwidths(self.device, self.dtype, self.n_heads, self.head_dim)
+        return self.bandwidth
+
+    # ---- per-version metadata ----------------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        """Slot maps of this layout, on the device and (for host tiers) on the host: (B, width) positions and
+        occupancy per tier; tail positions (B, tail cap)."""
+        key = (self.version, self.cap)
+        if self._meta_key == key:
+            return self._meta
+        lay, trash = self.layout, self.cap
+        out: dict[str, Any] = {}
+        for x in (T0, T1, T2):
+            pos, occ = lay.tiers[x].slot_map(self.batch, trash)
+            out[x] = (pos.to(self.device), occ.to(self.device))
+            if x in (T1, T2):
+                out[("host", x)] = (pos, occ)
+        self._meta, self._meta_key = out, key
+        return out
+
+    def device_view(self, cap0: int, cap_t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device region (T0's ``cap0`` slots, then the tail's ``cap_t`` columns, one buffer): (B, 1, 1, C) bool
+        *invalid* mask and (B, C) long score positions, on the device. Rebuilt per layout; each step only marks its
+        new tail column, in place."""
+        key = (self.version, cap0, cap_t, self.cap)
+        n_main = self.layout.n_main
+        if self._tail_key != key:
+            pos0, occ0 = self.meta()[T0]
+            tail = n_main + torch.arange(cap_t, device=self.device)
+            tail = torch.where(tail < self.cap, tail, self.cap).expand(self.batch, cap_t)
+            self._tail_pos = torch.cat([pos0, tail], dim=1)
+            self._tail_valid = torch.cat([occ0, torch.zeros(self.batch, cap_t, dtype=torch.bool, device=self.device)], 1)
+            self._tail_invalid = ~self._tail_valid.view(self.batch, 1, 1, -1)
+            self._tail_filled = 0
+            self._tail_key = key
+        t = self.n_total - n_main
+        if self._tail_filled < t:
+            new = self.valid_dev[:, n_main + self._tail_filled : self.n_total]
+            self._tail_invalid[:, 0, 0, cap0 + self._tail_filled : cap0 + t] = ~new
+            self._tail_filled = t
+        return self._tail_invalid, self._tail_pos
+
+    # ---- the ordered path's per-step view ----------------------------------------------------
     def step_view(self) -> dict[str, Any]:
-        """Working-layout tensors for this step: K, capacity, mask (B,1,1,K), score positions (B,K), dest rows."""
+        """Working-layout tensors for this step: K, capacity, mask (B,1,1,K), score positions (B,K), gathers."""
         key = (self.n_total, self.version)
         if self._step_key == key:
             return self._step
@@ -173,38 +346,66 @@ class TierState:
         t = self.n_total - lay.n_main
         K = lay.k_main + t
         cap = _roundup(K + 1, _WORK_ALIGN)
-        if self._lay_dev_key != (self.version, self.cap):
-            trash = self.cap  # the scores' last column: weights of empty columns (exactly 0) land there
-            self._lay_dev = (
-                lay.work_valid.to(self.device),
-                torch.where(lay.work_pos >= 0, lay.work_pos, trash).to(self.device),
-            )
-            self._lay_dev_key = (self.version, self.cap)
-        work_valid, work_pos = self._lay_dev
+        trash = self.cap
+        work_valid = lay.work_valid.to(self.device)
+        work_pos = torch.where(lay.work_pos >= 0, lay.work_pos, trash).to(self.device)
         valid = torch.cat([work_valid, self.valid_dev[:, lay.n_main : self.n_total]], dim=1)
         tail_pos = torch.arange(lay.n_main, self.n_total, device=self.device).expand(self.batch, t)
         pos = torch.cat([work_pos, tail_pos], dim=1)
-        if self._dest_key != (self.version, cap):
-            self._dest = {x: dest_rows(lay.tiers[x], self.n_heads, cap).to(self.device) for x in (T0, T1, T2)}
-            self._dest_key = (self.version, cap)
-        self._step = {
-            "K": K,
-            "k_main": lay.k_main,
-            "t": t,
-            "cap": cap,
-            "mask": valid.view(self.batch, 1, 1, K),
-            "score_pos": pos,
-            "dest": self._dest,
-        }
+        dev_width = self.layers[0].dev_k.shape[2]  # T0 slots + tail columns (the same in every layer)
+        if self._dest_key != (self.version, cap, dev_width):
+            self._dest = {x: tuple(i.to(self.device) for i in
+                                   gather_rows(lay.tiers[x], self.n_heads, cap, dev_width if x == T0 else None))
+                          for x in (T0, T1, T2)}
+            self._dest_key = (self.version, cap, dev_width)
+        self._step = {"K": K, "k_main": lay.k_main, "t": t, "cap": cap, "mask": valid.view(self.batch, 1, 1, K),
+                      "score_pos": pos, "gather": self._dest}
         self._step_key = key
         return self._step
+
+
+def measure_bandwidths(device: torch.device, dtype: torch.dtype, heads: int, head_dim: int) -> dict[str, float]:
+    """Pinned host->device GB/s, host attention GB/s over a 16 MiB-ish region, and a small host job's seconds."""
+    n_tok = 4096
+    k = torch.randn(1, heads, n_tok, head_dim).to(dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(1, heads, 4, head_dim).to(dtype)
+    valid = torch.ones(1, n_tok, dtype=torch.bool)
+    nbytes = 2 * k.numel() * k.element_size()
+
+    def best(fn, reps=3):
+        out = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            out = min(out, time.perf_counter() - t)
+        return out
+
+    host_s = best(lambda: partial(q, k, v, valid, 0.1, True))
+    small = best(lambda: partial(q, k[:, :, :16], v[:, :, :16], valid[:, :16], 0.1, True))
+    if device.type == "cuda":
+        src = torch.empty(nbytes * 4, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty_like(src, device=device)
+
+        def h2d():
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize(device)
+
+        h2d_gbps = src.numel() / best(h2d) / 1e9
+        latency = small + 50e-6  # a D2H and an H2D of a few KiB, plus the thread hand-off
+    else:
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        h2d_gbps = nbytes / best(lambda: dst.copy_(src)) / 1e9
+        latency = small
+    return {"h2d_gbps": h2d_gbps, "host_attention_gbps": nbytes / host_s / 1e9, "host_latency_s": latency}
 
 
 class TieredLayer(KVTierLayer):
     """One layer's K/V split across T0 (device), T1 (host, full precision), T2 (host, int8) and a device tail.
 
-    Tier buffers are (H, M_tier, D): the tier's tokens of all rows, in (row, position) order, so a tier
-    holds exactly its tokens and T1 streams as one contiguous copy.
+    Tier buffers are (B, H, cap, D) with stable slots (see :class:`kvtier.layout.TierTokens`); T1 and T2 live in
+    (pinned, on CUDA) host memory. The tail (B, H, cap_t, D) holds the tokens since the last reassignment.
     """
 
     def __init__(self, state: TierState, layer_idx: int) -> None:
@@ -215,14 +416,13 @@ class TieredLayer(KVTierLayer):
 
     def _clear(self) -> None:
         self.version = 0
-        self.k0 = self.v0 = None  # (H, M0, D) device
-        self.k1 = self.v1 = None  # (H, M1, D) host
-        self.k2 = self.v2 = None  # (H, M2, D) int8 host
-        self.k2s = self.v2s = None  # (H, M2, 1) float32 host
-        self.tail_k = self.tail_v = None  # (B, H, cap, D) device
-        self.mirror_k = self.mirror_v = None  # (B, H, cap, D) device, with t1_on_device
-        self.mirror_version = -1
-        self.mirror_len = 0
+        self.dev_k = self.dev_v = None  # (B, H, cap0 + cap_t, D) device: T0's slots, then the tail's columns
+        self.cap0 = 0
+        self.k0 = self.v0 = None  # (B, H, cap0, D) views of dev_k / dev_v
+        self.k1 = self.v1 = None  # (B, H, cap1, D) host
+        self.k2 = self.v2 = None  # (B, H, cap2, D) int8 host
+        self.k2s = self.v2s = None  # (B, H, cap2, 1) float32 host
+        self.tail_k = self.tail_v = None  # (B, H, cap_t, D) views of dev_k / dev_v
         self.is_initialized = False
 
     # ---- CacheLayerMixin ---------------------------------------------------------------------
@@ -230,16 +430,15 @@ class TieredLayer(KVTierLayer):
         B, H, _, D = key_states.shape
         dev, dt = key_states.device, key_states.dtype
         eng = self.state.engine
-        self.k0 = torch.zeros(H, 0, D, dtype=dt, device=dev)
-        self.v0 = self.k0.clone()
-        self.k1 = eng.host_empty((H, 0, D), dt)
-        self.v1 = eng.host_empty((H, 0, D), dt)
-        self.k2 = torch.zeros(H, 0, D, dtype=torch.int8)
-        self.v2 = self.k2.clone()
-        self.k2s = torch.zeros(H, 0, 1, dtype=torch.float32)
-        self.v2s = self.k2s.clone()
-        self.tail_k = torch.zeros(B, H, 0, D, dtype=dt, device=dev)
-        self.tail_v = self.tail_k.clone()
+        self.dev_k = torch.zeros(B, H, 0, D, dtype=dt, device=dev)
+        self.dev_v = self.dev_k.clone()
+        self._views()
+        self.k1 = eng.host_zeros((B, H, 0, D), dt)
+        self.v1 = eng.host_zeros((B, H, 0, D), dt)
+        self.k2 = eng.host_zeros((B, H, 0, D), torch.int8)
+        self.v2 = eng.host_zeros((B, H, 0, D), torch.int8)
+        self.k2s = eng.host_zeros((B, H, 0, 1), torch.float32)
+        self.v2s = eng.host_zeros((B, H, 0, 1), torch.float32)
         self.device = dev
         self.is_initialized = True
 
@@ -249,77 +448,113 @@ class TieredLayer(KVTierLayer):
             st.begin_update(key_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.version != st.version:
-            self._migrate()
-        self._append(key_states, value_states)
+        prefill = key_states.shape[2] == st.n_total
+        if not prefill:
+            if self.version != st.version:
+                self._migrate()
+            self._append(key_states, value_states)
+        elif not st.retier_enabled:
+            self._append(key_states, value_states)
+        # else: a prompt is stored after its attention, straight into the tiers of the prefill placement
         self.expose(kwargs)
         return key_states, value_states
 
     # ---- storage -----------------------------------------------------------------------------
+    def _device_bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in (self.dev_k, self.dev_v))
+
+    def _views(self) -> None:
+        c = self.cap0
+        self.k0, self.v0 = self.dev_k[:, :, :c], self.dev_v[:, :, :c]
+        self.tail_k, self.tail_v = self.dev_k[:, :, c:], self.dev_v[:, :, c:]
+
+    def _alloc_device(self, cap0: int, cap_t: int, keep_tail: int) -> None:
+        """Reallocate the device buffer as ``cap0`` T0 slots + ``cap_t`` tail columns, keeping T0's slots and the
+        tail's first ``keep_tail`` columns. One buffer, so that split attention reads T0 and the tail as one
+        region (one matmul pair per layer instead of two)."""
+        B, H, _, D = self.dev_k.shape
+        nk = torch.zeros(B, H, cap0 + cap_t, D, dtype=self.dev_k.dtype, device=self.dev_k.device)
+        nv = torch.zeros_like(nk)
+        c = self.cap0
+        nk[:, :, :c], nv[:, :, :c] = self.k0, self.v0
+        if keep_tail:
+            nk[:, :, cap0 : cap0 + keep_tail] = self.tail_k[:, :, :keep_tail]
+            nv[:, :, cap0 : cap0 + keep_tail] = self.tail_v[:, :, :keep_tail]
+        self.dev_k, self.dev_v, self.cap0 = nk, nv, cap0
+        self._views()
+        self.state.note_device(self.layer_idx, self._device_bytes())
+
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         st = self.state
         q = k.shape[2]
         end = st.n_total - st.layout.n_main
         start = end - q
-        if end + 1 > self.tail_k.shape[2]:
-            # Same granularity as the work buffer: with nothing in the main tiers (the full policy, or before the
-            # first reassignment) attention reads the tail in place, with the strides an assembled buffer would have.
-            cap = _roundup(end + 1, _WORK_ALIGN)
-            B, H, _, D = self.tail_k.shape
-            nk = torch.zeros(B, H, cap, D, dtype=k.dtype, device=k.device)
-            nv = torch.zeros_like(nk)
-            nk[:, :, :start] = self.tail_k[:, :, :start]
-            nv[:, :, :start] = self.tail_v[:, :, :start]
-            self.tail_k, self.tail_v = nk, nv
+        if st.retier_enabled:
+            need, granule = end, min(_TAIL_GRANULE, st.cfg.retier_interval)
+        else:
+            # The full cache's tail is everything: it is read in place, with the strides (256-column granules and
+            # one spare column) an assembled work buffer would have, so the ordered path stays bit-identical.
+            need, granule = end + 1, _WORK_ALIGN
+        if need > self.tail_k.shape[2]:
+            self._alloc_device(self.cap0, _roundup(need, granule), keep_tail=start)
         self.tail_k[:, :, start:end] = k
         self.tail_v[:, :, start:end] = v
 
-    def _fetch(self, move, src_tier):
-        """Values of the moving tokens from their current place: (H, m, D) pairs, plus scales for T2."""
-        if src_tier == TAIL:
-            b, c = move.on(self.device, "b"), move.on(self.device, "src")
-            return self.tail_k[b, :, c].transpose(0, 1), self.tail_v[b, :, c].transpose(0, 1)
-        if src_tier == T0:
-            i = move.on(self.device, "src")
-            return self.k0[:, i], self.v0[:, i]
-        if src_tier == T1:
-            return self.k1[:, move.src], self.v1[:, move.src]
-        return (self.k2[:, move.src], self.k2s[:, move.src]), (self.v2[:, move.src], self.v2s[:, move.src])
+    def _fetch(self, mv, tail: tuple[torch.Tensor, torch.Tensor]):
+        """Values of the moving tokens from their current place: (m, H, D) pairs, (int8, scale) pairs for T2."""
+        if mv.src_tier == TAIL:
+            b, c = mv.on(self.device, "b"), mv.on(self.device, "src")
+            return tail[0][b, :, c], tail[1][b, :, c]
+        if mv.src_tier == T0:
+            b, i = mv.on(self.device, "b"), mv.on(self.device, "src")
+            return self.k0[b, :, i], self.v0[b, :, i]
+        if mv.src_tier == T1:
+            return self.k1[mv.b, :, mv.src], self.v1[mv.b, :, mv.src]
+        return ((self.k2[mv.b, :, mv.src], self.k2s[mv.b, :, mv.src]),
+                (self.v2[mv.b, :, mv.src], self.v2s[mv.b, :, mv.src]))
 
-    def _migrate(self) -> None:
-        """Take this layer from its placement to the current layout; only tier changes cross host<->device."""
+    def _resized(self, names: tuple[str, ...], cap: int, host: bool) -> None:
+        """Grow this layer's tier buffers to ``cap`` slots, keeping their content (stable slots)."""
+        eng = self.state.engine
+        for name in names:
+            old = getattr(self, name)
+            if old.shape[2] >= cap:
+                continue
+            shape = (*old.shape[:2], cap, old.shape[3])
+            new = eng.host_zeros(shape, old.dtype) if host else torch.zeros(shape, dtype=old.dtype, device=old.device)
+            new[:, :, : old.shape[2]] = old
+            setattr(self, name, new)
+
+    def _migrate(self, tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Take this layer from its placement to the current layout; only tokens whose tier changed are moved
+        (and only they cross host<->device). ``tail``: where the tail tokens are (the prompt's K/V at prefill)."""
         st, eng = self.state, self.state.engine
         lay = st.layout
-        H, D, dt, dev = self.k0.shape[0], self.k0.shape[2], self.k0.dtype, self.device
-        # T0 (device, full precision)
-        m0 = lay.tiers[T0].count
-        k0, v0 = torch.zeros(H, m0, D, dtype=dt, device=dev), torch.zeros(H, m0, D, dtype=dt, device=dev)
-        # T1 (host, full precision)
-        m1 = lay.tiers[T1].count
-        k1, v1 = eng.host_empty((H, m1, D), dt), eng.host_empty((H, m1, D), dt)
-        # T2 (host, int8 + scales)
-        m2 = lay.tiers[T2].count
-        k2, v2 = torch.empty(H, m2, D, dtype=torch.int8), torch.empty(H, m2, D, dtype=torch.int8)
-        k2s, v2s = torch.empty(H, m2, 1), torch.empty(H, m2, 1)
-
-        for mv in lay.moves.get(T0, []):
-            a, b = self._fetch(mv, mv.src_tier)
+        tail = tail or (self.tail_k, self.tail_v)
+        dt, dev = self.dev_k.dtype, self.device
+        # 1. read every moving token from where it is now, before any slot it frees is reused
+        got = {x: [(mv, self._fetch(mv, tail)) for mv in lay.moves.get(x, [])] for x in (T0, T1, T2)}
+        # 2. grow buffers whose tier outgrew them (the tail's tokens were read in 1: its columns start empty)
+        if lay.tiers[T0].cap > self.cap0:
+            self._alloc_device(lay.tiers[T0].cap, self.tail_k.shape[2], keep_tail=0)
+        self._resized(("k1", "v1"), lay.tiers[T1].cap, host=True)
+        self._resized(("k2", "v2", "k2s", "v2s"), lay.tiers[T2].cap, host=True)
+        # 3. write them into their new slots
+        for mv, (a, b) in got[T0]:
             if mv.src_tier == T1:
                 a, b = eng.to_device(a), eng.to_device(b)
             elif mv.src_tier == T2:
                 a = dequantize(eng.to_device(a[0]), eng.to_device(a[1]), dt)
                 b = dequantize(eng.to_device(b[0]), eng.to_device(b[1]), dt)
-            d = mv.on(dev, "dst")
-            k0[:, d], v0[:, d] = a, b
-        for mv in lay.moves.get(T1, []):
-            a, b = self._fetch(mv, mv.src_tier)
+            r, d = mv.on(dev, "b"), mv.on(dev, "dst")
+            self.k0[r, :, d], self.v0[r, :, d] = a, b
+        for mv, (a, b) in got[T1]:
             if mv.src_tier in (T0, TAIL):
                 a, b = eng.to_host(a), eng.to_host(b)
             elif mv.src_tier == T2:
                 a, b = dequantize(*a, dt), dequantize(*b, dt)
-            k1[:, mv.dst], v1[:, mv.dst] = a, b
-        for mv in lay.moves.get(T2, []):
-            a, b = self._fetch(mv, mv.src_tier)
+            self.k1[mv.b, :, mv.dst], self.v1[mv.b, :, mv.dst] = a, b
+        for mv, (a, b) in got[T2]:
             if mv.src_tier in (T0, TAIL):
                 # Quantize where the data is, so only int8 and scales cross the bus.
                 a, b = quantize(a), quantize(b)
@@ -327,137 +562,200 @@ class TieredLayer(KVTierLayer):
                 b = (eng.to_host(b[0]), eng.to_host(b[1]))
             elif mv.src_tier == T1:
                 a, b = quantize(a), quantize(b)
-            k2[:, mv.dst], k2s[:, mv.dst] = a
-            v2[:, mv.dst], v2s[:, mv.dst] = b
-        self.k0, self.v0, self.k1, self.v1 = k0, v0, k1, v1
-        self.k2, self.v2, self.k2s, self.v2s = k2, v2, k2s, v2s
+            self.k2[mv.b, :, mv.dst], self.k2s[mv.b, :, mv.dst] = a
+            self.v2[mv.b, :, mv.dst], self.v2s[mv.b, :, mv.dst] = b
         self.version = st.version
+        st.note_device(self.layer_idx, self._device_bytes())
 
-    # ---- attention ---------------------------------------------------------------------------
     def _host_tensors(self) -> dict[str, torch.Tensor]:
+        lay = self.state.layout
         out = {}
-        if self.k1.shape[1]:
+        if lay.tiers[T1].width:
             out.update(k1=self.k1, v1=self.v1)
-        if self.k2.shape[1]:
+        if lay.tiers[T2].width:
             out.update(k2=self.k2, v2=self.v2, k2s=self.k2s, v2s=self.v2s)
         return out
 
-    def assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Kept K and V of this layer in position order: two (B, H, K, D) views of the engine's work buffers
-        (or of this layer's device mirror with ``t1_on_device``)."""
-        st = self.state
-        sv = st.step_view()
-        K = sv["K"]
-        if sv["k_main"] == 0 and self.tail_k.shape[2] == sv["cap"]:
-            return self.tail_k[:, :, :K], self.tail_v[:, :, :K]  # nothing to assemble
-        if st.t1_on_device:
-            return self._assemble_mirror(sv)
-        B, H, D = st.batch, self.k0.shape[0], self.k0.shape[2]
-        wk, wv = st.engine.work_buffers((B, H, sv["cap"], D), self.k0.dtype)
-        self._fill(wk, wv, sv)
-        self._prefetch_next()
-        return wk[:, :, :K], wv[:, :, :K]
-
-    def _fill(self, wk: torch.Tensor, wv: torch.Tensor, sv: dict) -> None:
-        """Write every kept token of this layer into (B, H, cap, D) buffers at its working column."""
+    def _staged(self) -> dict[str, torch.Tensor]:
+        """Device copies of this layer's host tiers (``stream``): from a prefetch, a per-layer persistent copy
+        (``t1_on_device``, staged once per reassignment) or copied now."""
         st, eng = self.state, self.state.engine
-        D = self.k0.shape[2]
-        fk, fv = wk.view(-1, D), wv.view(-1, D)
-        dest = sv["dest"]
-        if self.k0.shape[1]:
-            fk.index_copy_(0, dest[T0], self.k0.reshape(-1, D))
-            fv.index_copy_(0, dest[T0], self.v0.reshape(-1, D))
         host = self._host_tensors()
-        if host:
-            slot = self.layer_idx % len(eng.slots)
-            dv = eng.take(slot, (self.layer_idx, st.n_total), host)
-            if "k1" in dv:
-                fk.index_copy_(0, dest[T1], dv["k1"].reshape(-1, D))
-                fv.index_copy_(0, dest[T1], dv["v1"].reshape(-1, D))
-            if "k2" in dv:
-                fk.index_copy_(0, dest[T2], dequantize(dv["k2"], dv["k2s"], wk.dtype).reshape(-1, D))
-                fv.index_copy_(0, dest[T2], dequantize(dv["v2"], dv["v2s"], wv.dtype).reshape(-1, D))
-            eng.release(slot)
-        km, K = sv["k_main"], sv["K"]
-        wk[:, :, km:K].copy_(self.tail_k[:, :, : sv["t"]])
-        wv[:, :, km:K].copy_(self.tail_v[:, :, : sv["t"]])
+        if st.t1_on_device:
+            return eng.take(self.layer_idx, (self.layer_idx, "v", st.version), host)
+        return eng.take(0, (self.layer_idx, st.n_total), host)
 
-    def _assemble_mirror(self, sv: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """``t1_on_device``: the assembled K/V stay on the device until the next reassignment, so each step only
-        appends the new token; host tiers cross the bus once per reassignment instead of every step. Device memory
-        is then that of the full cache (the trade this option makes)."""
+    def _release(self) -> None:
         st = self.state
-        K, cap = sv["K"], sv["cap"]
-        B, H, D = st.batch, self.k0.shape[0], self.k0.shape[2]
-        if self.mirror_k is None or self.mirror_version != st.version:
-            self.mirror_k = torch.zeros(B, H, cap, D, dtype=self.k0.dtype, device=self.device)
-            self.mirror_v = torch.zeros_like(self.mirror_k)
-            self._fill(self.mirror_k, self.mirror_v, sv)
-            self.mirror_version = st.version
-        else:
-            n = self.mirror_len
-            if self.mirror_k.shape[2] != cap:  # same 256-column granules as the work buffer: same strides
-                mk = torch.zeros(B, H, cap, D, dtype=self.k0.dtype, device=self.device)
-                mv = torch.zeros_like(mk)
-                mk[:, :, :n], mv[:, :, :n] = self.mirror_k[:, :, :n], self.mirror_v[:, :, :n]
-                self.mirror_k, self.mirror_v = mk, mv
-            t0 = n - sv["k_main"]
-            self.mirror_k[:, :, n:K].copy_(self.tail_k[:, :, t0 : sv["t"]])
-            self.mirror_v[:, :, n:K].copy_(self.tail_v[:, :, t0 : sv["t"]])
-        self.mirror_len = K
-        return self.mirror_k[:, :, :K], self.mirror_v[:, :, :K]
+        if not st.t1_on_device:
+            st.engine.release(0)
+            self._prefetch_next()
 
     def _prefetch_next(self) -> None:
         """Start streaming the next layer's host tiers while this layer computes (async on CUDA)."""
         st = self.state
         nxt = self.layer_idx + 1
         layers = getattr(st, "layers", None)
-        if not st.engine.is_cuda or st.t1_on_device or layers is None or nxt >= len(layers):
+        if not st.engine.is_cuda or st.host_attn or layers is None or nxt >= len(layers):
             return
         other = layers[nxt]
         if other.version != st.version or not other.is_initialized:
             return  # its migration for this step has not run yet: it stages for itself
         host = other._host_tensors()
         if host:
-            st.engine.stage(nxt % len(st.engine.slots), (nxt, st.n_total), host)
+            st.engine.stage(0, (nxt, st.n_total), host)
 
-    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, None]:
-        """Exact attention of ``query`` (B, Hq, q, D) over this layer's kept tokens -> (B, q, Hq, D)."""
+    # ---- attention ---------------------------------------------------------------------------
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, None]:
+        """Attention of ``query`` (B, Hq, q, D) over this layer's kept tokens -> (B, q, Hq, D).
+
+        ``key``/``value`` (B, H, q, D) are this step's new states (the whole prompt at prefill)."""
         st = self.state
         B, Hq, q, D = query.shape
         if self.layer_idx == 0:
-            st.note_validity(attention_mask, q)
-            st.note_device_tokens()
+            st.n_heads_q = Hq
+            if q > 1:
+                st.note_validity(attention_mask, q)
+                if st.retier_enabled:
+                    st.place_prefill()
         if q > 1:
-            # Prefill of an empty cache: the tail is the whole sequence; SDPA never builds the (q x q) weights.
-            t = st.n_total
-            k, v = self.tail_k[:, :, :t], self.tail_v[:, :, :t]
+            # Prefill of an empty cache: SDPA over the prompt, never building the (q x q) weights.
             out = F.scaled_dot_product_attention(
-                query, k, v, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling, enable_gqa=True
+                query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling,
+                enable_gqa=True,
             )
+            if st.retier_enabled:
+                self._migrate(tail=(key, value))
             return out.transpose(1, 2).contiguous(), None
+        if st.engine.allocations != st._seen_alloc:
+            st.note_device()
+        if self.layer_idx == 0:
+            lay = st.layout
+            # device tokens peak just before a reassignment: T0 + every row's tail (decode tokens are all real)
+            st.peak_device_tokens = max(st.peak_device_tokens, lay.tiers[T0].count
+                                        + int(st.valid[:, lay.n_main : st.n_total].sum()))
+        if st.attention == "ordered":
+            out = self._attend_ordered(query, scaling)
+        elif not st.retier_enabled:
+            out = self._attend_full(query, scaling)
+        else:
+            out = self._attend_split(query, scaling)
+        return out.reshape(B, Hq, 1, D).transpose(1, 2), None
+
+    def _attend_full(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Split mode without scores (the full cache): one region, the fused kernel."""
+        st = self.state
+        n = st.n_total
+        mask = st.valid_dev[:, :n].view(st.batch, 1, 1, n) if st.padded else None
+        return F.scaled_dot_product_attention(query, self.tail_k[:, :, :n], self.tail_v[:, :, :n], attn_mask=mask,
+                                              scale=scaling, enable_gqa=True)
+
+    def _attend_split(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """Each region attended where it lives, merged by log-sum-exp; scores from the merged weights."""
+        st = self.state
+        lay = st.layout
+        B, Hq, _, D = query.shape
+        H = self.dev_k.shape[1]
+        qg = query.reshape(B, H, Hq // H, D).contiguous()
+        keep = True  # retier-enabled caches always score
+        meta = st.meta()
+        inv = st.inv_heads_layers
+        host_tiers = [x for x in (T1, T2) if lay.tiers[x].count]
+        job = None
+        if host_tiers and st.host_attn:
+            job = st.host.submit(self.layer_idx, qg, self._host_regions(host_tiers, meta, on_host=True), scaling, keep, inv)
+        # T0 and the tail are one contiguous device buffer, attended whole (empty slots and columns masked)
+        invalid, dpos = st.device_view(self.cap0, self.tail_k.shape[2])
+        parts = [partial(qg, self.dev_k, self.dev_v, invalid, scaling, keep, masked=True)]
+        pos = [dpos]
+        host_state = None
+        if host_tiers:
+            if job is not None:
+                hp, host_state = st.host.result(job)
+            else:
+                regions = self._host_regions(host_tiers, meta, on_host=False)
+                hp, hparts, cs = host_tiers_partial(qg, regions, scaling, keep, query.dtype)
+                host_state = (hparts, cs, [r.pos for r in regions])
+                self._release()
+            parts.append(hp)
+        out, fs = merge(parts)
+        for p, f, ps in zip(parts, fs, pos):
+            st.scores.scatter_add_(1, ps, (weights(p.e, f) * inv).to(SCORE_DTYPE))
+        if host_tiers:
+            f_host = fs[-1]
+            if job is not None:
+                st.host.post(self.layer_idx, host_state, f_host)
+            else:
+                for p, c, ps in zip(*host_state):
+                    st.scores.scatter_add_(1, ps, (weights(p.e, c * f_host) * inv).to(SCORE_DTYPE))
+        return out.to(query.dtype)
+
+    def _host_regions(self, tiers: list[int], meta: dict, on_host: bool) -> list[HostRegion]:
+        src = self._host_tensors() if on_host else self._staged()
+        out = []
+        for x in tiers:
+            pos, occ = meta[("host", x)] if on_host else meta[x]
+            if x == T1:
+                out.append(HostRegion(src["k1"], src["v1"], occ, pos))
+            else:
+                out.append(HostRegion(src["k2"], src["v2"], occ, pos, src["k2s"], src["v2s"]))
+        return out
+
+    def _attend_ordered(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The reference: every kept token gathered in position order, one softmax (bit-identical across HBM ratios)."""
+        st = self.state
+        B, Hq, _, D = query.shape
         k, v = self.assemble()
         H = k.shape[1]
-        g = Hq // H
-        mask = st.step_view()["mask"]
-        qg = query.reshape(B, H, g, D)
-        s = torch.matmul(qg, k.transpose(-1, -2)) * scaling  # (B, H, g, K)
-        s = s.masked_fill(~mask, float("-inf"))
-        p = torch.softmax(s, dim=-1, dtype=torch.float32)
-        out = torch.matmul(p.to(v.dtype), v)  # (B, H, g, D)
+        sv = st.step_view()
+        out, p = ordered(query.reshape(B, H, Hq // H, D), k, v, sv["mask"], scaling)
         if st.retier_enabled:
             # s_i += mean over layers of mean over all query heads of the attention weight on i.
-            w = p.sum(dim=(1, 2)) * (1.0 / (Hq * st.num_layers))
-            st.scores.scatter_add_(1, st.step_view()["score_pos"], w)
-        return out.reshape(B, Hq, 1, D).transpose(1, 2), None
+            w = p.sum(dim=(1, 2)) * st.inv_heads_layers
+            st.scores.scatter_add_(1, sv["score_pos"], w.to(SCORE_DTYPE))
+        return out
+
+    def assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Kept K and V of this layer in position order: two (B, H, K, D) views of the engine's work buffers."""
+        st = self.state
+        sv = st.step_view()
+        K = sv["K"]
+        if sv["k_main"] == 0 and self.tail_k.shape[2] == sv["cap"]:
+            return self.tail_k[:, :, :K], self.tail_v[:, :, :K]  # nothing to assemble
+        B, H, D = st.batch, self.dev_k.shape[1], self.dev_k.shape[3]
+        wk, wv = st.engine.work_buffers((B, H, sv["cap"], D), self.dev_k.dtype)
+        fk, fv = wk.view(-1, D), wv.view(-1, D)
+        gather = sv["gather"]
+        if st.layout.tiers[T0].count:
+            src, dst = gather[T0]  # rows of the whole device buffer (T0 slots, then the tail)
+            fk.index_copy_(0, dst, self.dev_k.reshape(-1, D).index_select(0, src))
+            fv.index_copy_(0, dst, self.dev_v.reshape(-1, D).index_select(0, src))
+        if self._host_tensors():
+            dv = self._staged()
+            if "k1" in dv and st.layout.tiers[T1].count:
+                src, dst = gather[T1]
+                fk.index_copy_(0, dst, dv["k1"].reshape(-1, D).index_select(0, src))
+                fv.index_copy_(0, dst, dv["v1"].reshape(-1, D).index_select(0, src))
+            if "k2" in dv and st.layout.tiers[T2].count:
+                src, dst = gather[T2]
+                fk.index_copy_(0, dst, dequantize(dv["k2"], dv["k2s"], wk.dtype).reshape(-1, D).index_select(0, src))
+                fv.index_copy_(0, dst, dequantize(dv["v2"], dv["v2s"], wv.dtype).reshape(-1, D).index_select(0, src))
+            self._release()
+        km = sv["k_main"]
+        wk[:, :, km:K].copy_(self.tail_k[:, :, : sv["t"]])
+        wv[:, :, km:K].copy_(self.tail_v[:, :, : sv["t"]])
+        return wk[:, :, :K], wv[:, :, :K]
 
 
 class KVTierCache(ShapeGuardedCache):
     """A transformers ``Cache`` whose tokens live in four tiers; built by :func:`kvtier.make_cache`."""
 
     def __init__(self, cfg: TierConfig, num_layers: int, retier: bool = True, policy: str = "tiered",
-                 t1_on_device: bool = False) -> None:
-        self.state = TierState(cfg, num_layers, retier=retier, policy=policy, t1_on_device=t1_on_device)
+                 t1_on_device: bool = False, attention: str = "split", t1_attention: str = "auto",
+                 host_threaded: bool | None = None) -> None:
+        self.state = TierState(cfg, num_layers, retier=retier, policy=policy, t1_on_device=t1_on_device,
+                               attention=attention, t1_attention=t1_attention, host_threaded=host_threaded)
         layers = [TieredLayer(self.state, i) for i in range(num_layers)]
         self.state.layers = layers
         super().__init__(layers=layers)
@@ -472,6 +770,13 @@ class KVTierCache(ShapeGuardedCache):
 
     def stats(self) -> dict[str, Any]:
         return cache_stats(self.state, self.layers)
+
+    def scores(self) -> torch.Tensor:
+        """(B, N) float64 on the host: the cumulative score of every logical position (0 for padding)."""
+        st = self.state
+        if st.batch is None:
+            return torch.zeros(0, 0)
+        return st.combined_scores()[:, : st.n_total]
 
     def tier_map(self) -> torch.Tensor:
         """(B, N) int8 on the host: the tier of every logical position, 0-3 for T0-T3 (new tokens waiting for
@@ -537,7 +842,7 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         (x.numel() * x.element_size())
         for layer in layers
         if layer.is_initialized
-        for x in (layer.k0, layer.v0, layer.tail_k, layer.tail_v, layer.mirror_k, layer.mirror_v)
+        for x in (layer.dev_k, layer.dev_v)
         if x is not None
     )
     host_alloc = sum(
@@ -553,6 +858,10 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         "bytes_per_token": {"T0": bpt_fp, "T1": bpt_fp, "T2": bpt_q},
         "allocated_bytes": {"device": dev_alloc, "host": host_alloc, "staging": st.engine.staging_bytes()},
         "t1_on_device": st.t1_on_device,
+        "attention": st.attention,
+        "t1_attention": {"requested": st.t1_attention, "current": ("host" if st.host_attn else "stream")
+                         if tokens["T1"] + tokens["T2"] else None, "reassignments": dict(st.t1_modes),
+                         "host_jobs": st.host.jobs, "bandwidth": st.bandwidth},
         "effective_ratios": {k: (v / logical if logical else 0.0) for k, v in tokens.items()},
         "logical_tokens": logical,
         "transfer": {
@@ -566,5 +875,11 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         "retiers": st.retiers,
         "decode_steps": st.decode_steps,
         "changed_tokens": dict(st.changed_total),
-        "peak_device_kv_bytes": st.peak_device_tokens * bpt_fp,
+        # resident real tokens at their peak (T0 + tail, summed over rows; comparable across policies) ...
+        "peak_device_tokens": st.peak_device_tokens,
+        # ... and the real buffers (capacity, all layers): T0 + tail; and with staging and work buffers
+        "peak_device_kv_bytes": st.peak_device_kv_bytes,
+        "peak_device_bytes": st.peak_device_bytes,
+        "cuda_max_allocated_delta_bytes": (torch.cuda.max_memory_allocated(st.device) - st._cuda_base)
+        if st._cuda_base is not None else None,
     }

@@ -460,6 +460,8 @@ def bench(
     repeats: int = typer.Option(3),
     stock: bool = typer.Option(True, help="also time stock transformers (SDPA + DynamicCache)"),
     t1_on_device: bool = typer.Option(False, "--t1-on-device", help="also time tiered with a device copy of T1 (HBM for PCIe)"),
+    attention: str = typer.Option("split", help="comma-separated attention modes to time: split, ordered"),
+    t1_attention: str = typer.Option("auto", help="comma-separated T1 modes to time in split mode: stream, host, auto"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
@@ -483,6 +485,8 @@ def bench(
             evict_ratios=tuple(_numbers("--evict-ratio", [x for x in evict_ratio.split(",") if x.strip()])),
             retier_interval=retier_interval, recent_window=recent_window, repeats=repeats, stock=stock,
             t1_on_device=t1_on_device, device=device, dtype=dtype,
+            attentions=tuple(x.strip() for x in attention.split(",") if x.strip()),
+            t1_attentions=tuple(x.strip() for x in t1_attention.split(",") if x.strip()),
         )
         from .models import resolve_dtype
 
@@ -525,6 +529,11 @@ def print_bench(res: dict) -> None:
     for r in res["results"]:
         p = ", ".join(f"{k.replace('_ratio', '')}={v}" for k, v in r["params"].items() if k.endswith("ratio"))
         p += ", T1 on device" if r["params"].get("t1_on_device") else ""
+        if "attention" in r["params"]:
+            p += f", {r['params']['attention']}"
+            if r["params"]["attention"] == "split" and "t1_attention" in r["params"]:
+                mode = r["params"]["t1_attention"]
+                p += f"/{mode}" + (f"->{r['t1_mode']}" if mode == "auto" and r.get("t1_mode") else "")
         gb = f"{r['h2d_gbps']:.1f} ({100 * r['h2d_fraction_of_peak']:.0f}%)" if r.get("h2d_gbps") else "–"
         kv = r["kv_bytes"]
         t.add_row(str(r["batch"]), r["policy"], p, f"{r['decode_tok_s']:.1f}", f"{r['ms_per_step']:.1f}",
@@ -547,16 +556,19 @@ def plan(
     quant_ratio: float = typer.Option(0.0),
     protected_tokens: int = typer.Option(0, help="prompt + sinks + recent window kept in T0 regardless"),
     dtype: str = typer.Option("bf16", help="bf16, fp16, fp32"),
-    pcie_gbps: float = typer.Option(50.0, help="host->device bandwidth"),
-    hbm_gbps: float = typer.Option(4800.0, help="device memory bandwidth (H200: 4800)"),
+    hardware: str = typer.Option("h200", help="bandwidth profile: h200, h100, a100, l40s, rtx5080, cpu"),
+    pcie_gbps: Optional[float] = typer.Option(None, help="host->device GB/s (overrides the profile)"),
+    hbm_gbps: Optional[float] = typer.Option(None, help="device memory GB/s (overrides the profile)"),
+    host_gbps: Optional[float] = typer.Option(None, help="host attention GB/s over T1 (overrides the profile)"),
     json_out: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
 ):
-    """KV bytes per tier, device memory saved, PCIe bytes per step and decode-step floors."""
+    """KV bytes per tier, device memory saved, and decode-step floors per T1 mode (stream / host / both)."""
 
     def go():
         from .plan import plan as make_plan
 
-        p = make_plan(model, batch, seq_len, hbm_ratio, evict_ratio, quant_ratio, dtype, pcie_gbps, hbm_gbps, protected_tokens)
+        p = make_plan(model, batch, seq_len, hbm_ratio, evict_ratio, quant_ratio, dtype, pcie_gbps, hbm_gbps,
+                      protected_tokens, hardware=hardware, host_gbps=host_gbps)
         if json_out:
             console.print_json(json.dumps(p))
             return
@@ -568,12 +580,22 @@ def plan(
         for tier in ("T0", "T1", "T2", "T3"):
             t.add_row(tier, f"{p['tokens_per_seq'][tier]:,}", f"{p['bytes_per_seq'][tier] / g:.3f}", f"{p['bytes_per_batch'][tier] / g:.3f}")
         console.print(t)
-        f = p["step_floor_ms"]
+        f, hw = p["step_floor_ms"], p["hardware"]
         console.print(f"full KV on device: {p['full_kv_bytes_per_batch'] / g:.2f} GB; tiered device KV: {p['device_kv_bytes'] / g:.2f} GB "
-                      f"(saves {p['device_bytes_saved'] / g:.2f} GB); weights {p['weights_bytes'] / g:.2f} GB")
-        console.print(f"PCIe per decode step: {p['pcie_bytes_per_step'] / g:.3f} GB -> {f['pcie']:.2f} ms at {pcie_gbps} GB/s; "
-                      f"HBM floor {f['hbm']:.2f} ms; step floor {f['overlapped']:.2f} ms overlapped ({f['serial']:.2f} serial) "
-                      f"vs {f['full_cache']:.2f} ms full cache -> at most {p['throughput_ratio_floor']:.2f}x full-cache throughput")
+                      f"(saves {p['device_bytes_saved'] / g:.2f} GB); weights {p['weights_bytes'] / g:.2f} GB; host T1+T2 "
+                      f"{p['host_bytes'] / g:.2f} GB")
+        console.print(f"{hw['name']}: HBM {hw['hbm_gbps']:g} GB/s, PCIe {hw['pcie_gbps']:g} GB/s, host attention "
+                      f"{hw['host_gbps']:g} GB/s")
+        m = Table(title="decode-step floor per T1 mode")
+        for col in ("mode", "floor ms", "vs full cache", "smallest hbm_ratio within 5%"):
+            m.add_column(col)
+        m.add_row("full cache", f"{f['full_cache']:.2f}", "1.00x", "-")
+        small = p["smallest_hbm_ratio_within_5pct"]
+        for mode in ("stream", "host", "both"):
+            star = " (best)" if mode == p["best_mode"] else ""
+            m.add_row(mode + star, f"{f[mode]:.2f}", f"{p['throughput_ratio_floor_by_mode'][mode]:.2f}x",
+                      "none" if small[mode] is None else f"{small[mode]:g}")
+        console.print(m)
 
     _run(go)
 

@@ -142,6 +142,7 @@ class HeadwiseState:
         self.decode_steps = 0
         self.compressions = 0
         self.peak_tokens = 0
+        self.peak_alloc = 0
         self.dtype = None
         self.n_heads = self.head_dim = None
         # Host-side counts, kept by arithmetic so that a decode step never waits for the device.
@@ -256,6 +257,9 @@ class HeadwiseLayer(KVTierLayer):
 
         self.k, self.v, self.pos = grow(self.k, 0), grow(self.v, 0), grow(self.pos, -1)
         self.slots = {n: grow(t, 0) for n, t in self.slots.items()}
+        st = self.state
+        st.peak_alloc = max(st.peak_alloc, sum(x.numel() * x.element_size() for layer in st.layers
+                                               if layer.is_initialized for x in (layer.k, layer.v)))
 
     # ---- views -------------------------------------------------------------------------------
     def slot_valid(self) -> torch.Tensor:
@@ -267,7 +271,8 @@ class HeadwiseLayer(KVTierLayer):
         return self.slot_valid()[:, 0].sum(-1).cpu()
 
     # ---- attention ---------------------------------------------------------------------------
-    def attend(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float):
+    def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+               scaling: float):
         st = self.state
         B, Hq, q, D = query.shape
         if self.layer_idx == 0:
@@ -367,6 +372,7 @@ class HeadwiseCache(ShapeGuardedCache):
     def __init__(self, scorer: Scorer, budget: EvictionBudget, num_layers: int, protect_prompt: bool, policy: str):
         self.state = HeadwiseState(scorer, budget, num_layers, protect_prompt, policy)
         layers = [HeadwiseLayer(self.state, i) for i in range(num_layers)]
+        self.state.layers = layers
         super().__init__(layers=layers)
         self.policy = policy
 
@@ -400,7 +406,8 @@ class HeadwiseCache(ShapeGuardedCache):
             "transfer": zero_t,
             "retiers": st.compressions,
             "decode_steps": st.decode_steps,
-            "peak_device_kv_bytes": st.peak_tokens * bpt,
+            "peak_device_tokens": st.peak_tokens,
+            "peak_device_kv_bytes": st.peak_alloc,  # the real buffers (capacity doubles as it grows)
             # what the policy's budget allowed vs what was kept: the forced set (protected prompt + the
             # policy's own sinks/window/newest) can exceed the budget, and then all of it is kept
             "budget": {

@@ -85,42 +85,116 @@ def shape_of(model: str) -> Shape:
     raise ModelLoadError(f"no built-in shapes for {model!r}; pass a path to its config.json (built in: {known}, random:<preset>)")
 
 
+@dataclass(frozen=True)
+class Hardware:
+    """Bandwidths of one machine, GB/s: device memory, host->device (pinned, effective), and what host attention
+    reaches over T1 in host DRAM. ``source`` says where each number comes from."""
+
+    name: str
+    hbm_gbps: float
+    pcie_gbps: float
+    host_gbps: float
+    source: str
+
+
+# Datasheet numbers where a datasheet gives them; effective PCIe is ~85% of the link rate (what pinned memcpy reaches
+# in practice); host attention is an assumption (a few worker threads on a memory-bound kernel reach about half of
+# one socket's DRAM peak): measure yours with `kvtier bench` and pass --host-gbps.
+HARDWARE: dict[str, Hardware] = {
+    "h200": Hardware("h200", 4800.0, 55.0, 150.0, "HBM3e 4.8 TB/s (NVIDIA H200 SXM datasheet); PCIe 5.0 x16 64 GB/s link "
+                     "(PCI-SIG), ~55 effective; host: half of one DDR5-4800 8-channel socket (307 GB/s), assumed"),
+    "h100": Hardware("h100", 3350.0, 55.0, 150.0, "HBM3 3.35 TB/s (NVIDIA H100 SXM datasheet); PCIe 5.0 x16 ~55 "
+                     "effective; host as h200, assumed"),
+    "a100": Hardware("a100", 2039.0, 26.0, 100.0, "HBM2e 2.04 TB/s (NVIDIA A100 80GB SXM datasheet); PCIe 4.0 x16 "
+                     "32 GB/s link, ~26 effective; host: half of one DDR4-3200 8-channel socket (205 GB/s), assumed"),
+    "l40s": Hardware("l40s", 864.0, 26.0, 100.0, "GDDR6 864 GB/s (NVIDIA L40S datasheet); PCIe 4.0 x16 ~26 effective; "
+                     "host as a100, assumed"),
+    "rtx5080": Hardware("rtx5080", 960.0, 55.0, 40.0, "GDDR7 960 GB/s (GeForce RTX 5080 specifications: 30 Gbps x "
+                        "256-bit); PCIe 5.0 x16 ~55 effective; host: dual-channel DDR5-6000 (96 GB/s peak), ~40 reached, assumed"),
+    "cpu": Hardware("cpu", 40.0, 20.0, 40.0, "a CPU-only machine: the device is the host (DRAM ~40 GB/s for a few cores, "
+                    "assumed); 'stream' is a memcpy (reads and writes: half the bandwidth)"),
+}
+
+
+def _check_gbps(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
+        raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {v!r}")
+
+
+def step_floors(weights: int, t0: int, t1: int, t2_int8: int, t2_fp: int, full: int, hw: Hardware) -> dict[str, float]:
+    """Decode-step floors in seconds, from bytes per step and bandwidths (every byte read once per step).
+
+    full:   the full cache on the device: (weights + all KV) / HBM.
+    stream: T1 and int8 T2 cross PCIe while the device reads weights, T0 and the staged T1/T2 (T2 dequantised):
+            max(PCIe time, HBM time) — copies overlap compute.
+    host:   the host attends T1 and T2 where they live while the device reads weights and T0:
+            max(host time, HBM time).
+    both:   T1/T2 split between the two so that both finish together: a share pcie / (pcie + host) streams.
+    """
+    g = 1e9
+    host_bytes = t1 + t2_int8
+    stream = max(host_bytes / (hw.pcie_gbps * g), (weights + t0 + t1 + t2_fp) / (hw.hbm_gbps * g))
+    host = max(host_bytes / (hw.host_gbps * g), (weights + t0) / (hw.hbm_gbps * g))
+    x = hw.pcie_gbps / (hw.pcie_gbps + hw.host_gbps)
+    both = max(host_bytes / ((hw.pcie_gbps + hw.host_gbps) * g), (weights + t0 + x * (t1 + t2_fp)) / (hw.hbm_gbps * g))
+    return {"full": (weights + full) / (hw.hbm_gbps * g), "stream": stream, "host": host, "both": both}
+
+
 def plan(model: str, batch: int, seq_len: int, hbm_ratio: float = 0.3, evict_ratio: float = 0.03,
-         quant_ratio: float = 0.0, dtype: str = "bf16", pcie_gbps: float = 50.0, hbm_gbps: float = 4800.0,
-         protected_tokens: int = 0) -> dict:
-    """Bytes per tier for ``batch`` sequences of ``seq_len`` tokens and the decode-step floors.
+         quant_ratio: float = 0.0, dtype: str = "bf16", pcie_gbps: float | None = None, hbm_gbps: float | None = None,
+         protected_tokens: int = 0, hardware: str = "h200", host_gbps: float | None = None) -> dict:
+    """Bytes per tier for ``batch`` sequences of ``seq_len`` tokens and the decode-step floors per T1 mode.
 
     ``protected_tokens`` (prompt + sinks + recent window) stay in T0 whatever ``hbm_ratio`` says.
-    Step floors: the device must read every kept token's K/V once per step (plus the weights), and T1/T2
-    must cross PCIe once per step; with the transfer engine overlapping both, the floor is the larger.
+    ``hardware`` picks a bandwidth profile (:data:`HARDWARE`); explicit ``pcie_gbps`` / ``hbm_gbps`` / ``host_gbps``
+    override it. Also answers: the smallest ``hbm_ratio`` whose best-mode floor stays within 5% of the full cache's.
     """
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
+    if hardware not in HARDWARE:
+        raise ValueError(f"--hardware must be one of {sorted(HARDWARE)}, got {hardware!r}")
     for name, v in (("batch", batch), ("seq_len", seq_len)):
         if not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-    for name, v in (("pcie_gbps", pcie_gbps), ("hbm_gbps", hbm_gbps)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not v > 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be a finite number > 0, got {v!r}")
+    base = HARDWARE[hardware]
+    for name, v in (("pcie_gbps", pcie_gbps), ("hbm_gbps", hbm_gbps), ("host_gbps", host_gbps)):
+        if v is not None:
+            _check_gbps(name, v)
+    hw = Hardware(base.name if (pcie_gbps, hbm_gbps, host_gbps) == (None, None, None) else f"{base.name} (overridden)",
+                  hbm_gbps or base.hbm_gbps, pcie_gbps or base.pcie_gbps, host_gbps or base.host_gbps, base.source)
     if isinstance(protected_tokens, bool) or not isinstance(protected_tokens, int) or protected_tokens < 0:
         raise ValueError(f"--protected-tokens must be an integer >= 0, got {protected_tokens!r}")
     TierConfig(hbm_ratio=hbm_ratio, quant_ratio=quant_ratio, evict_ratio=evict_ratio)  # validates the ratios
     s = shape_of(model)
     eb = DTYPE_BYTES[dtype]
     fp, q8 = s.kv_bytes_per_token(eb), s.int8_bytes_per_token()
-    n3 = budget(evict_ratio, seq_len)
-    n2 = budget(quant_ratio, seq_len)
-    n0 = min(max(protected_tokens, budget(hbm_ratio, seq_len)), seq_len - n3 - n2)
-    n1 = seq_len - n0 - n2 - n3
+    weights = s.n_params() * eb
+    full = seq_len * fp * batch
+
+    def tokens(h: float) -> tuple[int, int, int, int]:
+        n3 = budget(evict_ratio, seq_len)
+        n2 = budget(quant_ratio, seq_len)
+        n0 = min(max(protected_tokens, budget(h, seq_len)), seq_len - n3 - n2)
+        return n0, seq_len - n0 - n2 - n3, n2, n3
+
+    def floors(h: float) -> dict[str, float]:
+        n0, n1, n2, _ = tokens(h)
+        return step_floors(weights, n0 * fp * batch, n1 * fp * batch, n2 * q8 * batch, n2 * fp * batch, full, hw)
+
+    n0, n1, n2, n3 = tokens(hbm_ratio)
     per_seq = {"T0": n0 * fp, "T1": n1 * fp, "T2": n2 * q8, "T3": 0}
     per_batch = {k: v * batch for k, v in per_seq.items()}
-    full = seq_len * fp * batch
-    weights = s.n_params() * eb
+    f = floors(hbm_ratio)
+    modes = ("stream", "host", "both")
+    best = min(modes, key=lambda m: f[m])
+    smallest = {}
+    for m in modes + ("best",):
+        smallest[m] = next((round(i / 100, 2) for i in range(101)
+                            if (min(floors(i / 100)[x] for x in modes) if m == "best" else floors(i / 100)[m])
+                            <= 1.05 * f["full"]), None)
     pcie_step = per_batch["T1"] + per_batch["T2"]
-    hbm_step = weights + per_batch["T0"] + n1 * fp * batch + n2 * fp * batch  # T1/T2 are read again once staged
-    t_pcie = pcie_step / (pcie_gbps * 1e9)
-    t_hbm = hbm_step / (hbm_gbps * 1e9)
-    t_full = (weights + full) / (hbm_gbps * 1e9)
+    t_pcie = pcie_step / (hw.pcie_gbps * 1e9)
+    t_hbm = (weights + per_batch["T0"] + n1 * fp * batch + n2 * fp * batch) / (hw.hbm_gbps * 1e9)
     return {
         "model": model,
         "shape": asdict(s),
@@ -139,9 +213,15 @@ def plan(model: str, batch: int, seq_len: int, hbm_ratio: float = 0.3, evict_rat
         "host_bytes": per_batch["T1"] + per_batch["T2"],
         "weights_bytes": weights,
         "pcie_bytes_per_step": pcie_step,
+        "hardware": asdict(hw),
         "step_floor_ms": {"pcie": 1e3 * t_pcie, "hbm": 1e3 * t_hbm, "overlapped": 1e3 * max(t_pcie, t_hbm),
-                          "serial": 1e3 * (t_pcie + t_hbm), "full_cache": 1e3 * t_full},
-        "throughput_ratio_floor": t_full / max(t_pcie, t_hbm),
-        "pcie_gbps": pcie_gbps,
-        "hbm_gbps": hbm_gbps,
+                          "serial": 1e3 * (t_pcie + t_hbm), "full_cache": 1e3 * f["full"],
+                          "stream": 1e3 * f["stream"], "host": 1e3 * f["host"], "both": 1e3 * f["both"]},
+        "best_mode": best,
+        "throughput_ratio_floor": f["full"] / f[best],
+        "throughput_ratio_floor_by_mode": {m: f["full"] / f[m] for m in modes},
+        "smallest_hbm_ratio_within_5pct": smallest,
+        "pcie_gbps": hw.pcie_gbps,
+        "hbm_gbps": hw.hbm_gbps,
+        "host_gbps": hw.host_gbps,
     }

@@ -62,7 +62,7 @@ def assign_tiers(
     """Vectorized tier assignment.
 
     Args:
-        scores: (B, N) float32 cumulative attention.
+        scores: (B, N) cumulative attention (float64 in the cache; any float dtype works).
         valid: (B, N) bool real positions.
         protected: (B, N) bool (subset of valid).
         evicted: (B, N) bool positions already in T3 (they stay there).
@@ -83,7 +83,7 @@ def assign_tiers(
     a = torch.minimum((b["n0"] - protected.sum(1)).clamp(min=0), m - e - q)
 
     # Rank candidates by score, best first; ties favour the newer position (flip, then stable sort).
-    key = torch.where(cand, scores.float(), torch.full_like(scores, float("-inf"), dtype=torch.float32))
+    key = torch.where(cand, scores.double(), torch.full_like(scores, float("-inf"), dtype=torch.float64))
     order = torch.sort(torch.flip(key, [1]), dim=1, descending=True, stable=True).indices
     order = (N - 1) - order  # back to positions
     rank = torch.empty_like(order)

@@ -72,6 +72,10 @@ class TransferEngine:
         """Host tensor; pinned when a CUDA device is present so copies can be asynchronous."""
         return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
 
+    def host_zeros(self, shape, dtype) -> torch.Tensor:
+        """Zeroed host tensor (pinned on CUDA): empty slots must hold finite values, since 0 * NaN is NaN."""
+        return self.host_empty(shape, dtype).zero_()
+
     # ---- timing ------------------------------------------------------------------------------
     def _timed(self, fn, stream=None):
         c = self.counters
@@ -200,6 +204,10 @@ class TransferEngine:
             self.work["v"] = torch.zeros(shape, dtype=dtype, device=self.device)
             self.allocations += 1
         return self.work["k"], self.work["v"]
+
+    def device_bytes(self) -> int:
+        """Device memory held by staging slots and work buffers."""
+        return self.staging_bytes()
 
     def staging_bytes(self) -> int:
         n = sum(b.numel() * b.element_size() for s in self.slots for b in s.buffers.values())

@@ -96,7 +96,7 @@ def test_headwise_invariants(case):
     for step, (t0, t1) in enumerate([(0, P)] + [(t, t + 1) for t in range(P, T)]):
         for i, layer in enumerate(cache.layers):
             layer.update(K[i, :, :, t0:t1], V[i, :, :, t0:t1], kwargs={})
-            layer.attend(Q[i, :, :, t0:t1], mask if t0 == 0 else None, D**-0.5)
+            layer.attend(Q[i, :, :, t0:t1], K[i, :, :, t0:t1], V[i, :, :, t0:t1], mask if t0 == 0 else None, D**-0.5)
         n_total = t1
         kept = cache.kept_mask()  # (L, B, H, N)
         assert kept.shape == (LAYERS, 2, H, n_total)

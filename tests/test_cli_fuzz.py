@@ -68,12 +68,15 @@ def flags_for(command: str) -> dict:
                   "--batch": _mix(["1"], BAD_NUMBERS + ["1,x"]), "--policy": _mix(["full", "full,tiered"], BAD_WORDS),
                   "--hbm-ratio": RATIOS, "--evict-ratio": RATIOS, "--retier-interval": _mix(["4"], BAD_NUMBERS),
                   "--recent-window": _mix(["2"], BAD_NUMBERS), "--repeats": _mix(["1"], BAD_NUMBERS),
+                  "--attention": _mix(["split", "split,ordered"], BAD_WORDS),
+                  "--t1-attention": _mix(["auto", "stream,host"], BAD_WORDS),
                   "--device": DEVICE, "--dtype": DTYPE},
         "plan": {"--model": _mix(["random:tiny-qwen2", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"], BAD_WORDS),
                  "--batch": _mix(["1", "8"], BAD_NUMBERS), "--seq-len": _mix(["128", "4096"], BAD_NUMBERS),
                  "--hbm-ratio": RATIO, "--evict-ratio": RATIO, "--quant-ratio": RATIO,
                  "--protected-tokens": _mix(["0", "64"], BAD_NUMBERS), "--dtype": _mix(["bf16", "fp32"], BAD_WORDS),
-                 "--pcie-gbps": _mix(["50"], BAD_NUMBERS), "--hbm-gbps": _mix(["4800"], BAD_NUMBERS), "--json": None},
+                 "--pcie-gbps": _mix(["50"], BAD_NUMBERS), "--hbm-gbps": _mix(["4800"], BAD_NUMBERS),
+                 "--host-gbps": _mix(["150"], BAD_NUMBERS), "--hardware": _mix(["h200", "cpu"], BAD_WORDS), "--json": None},
         "report": {},
     }
     return table[command]

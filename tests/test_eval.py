@@ -22,7 +22,7 @@ TINY = ["--model", "random:tiny-qwen2", "--dtype", "fp32", "--device", "cpu"]
 FIELDS = {
     "benchmark", "id", "sample", "config_key", "policy", "params", "model", "max_new_tokens", "temperature", "top_p",
     "seed", "completion", "extracted", "gold", "correct", "prompt_tokens", "generated_tokens", "tier_tokens",
-    "tier_bytes", "budget_tokens", "problem_hash", "key_inputs", "peak_device_kv_bytes", "streamed_bytes", "moved_bytes", "batch_size", "batch_seconds", "seconds",
+    "tier_bytes", "budget_tokens", "problem_hash", "key_inputs", "peak_device_kv_bytes", "peak_device_tokens", "streamed_bytes", "moved_bytes", "batch_size", "batch_seconds", "seconds",
 }
 
 

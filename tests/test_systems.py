@@ -79,7 +79,9 @@ def test_cuda_tiered_matches_full_bitwise():
     model = random_model("tiny-qwen2", device="cuda", dtype=torch.float32)
     ids = prompt_ids(length=16).cuda()
     outs = []
-    for policy, params in (("full", {}), ("tiered", dict(hbm_ratio=0.1, evict_ratio=0.0, retier_interval=8, recent_window=4))):
+    for policy, params in (("full", dict(attention="ordered")),
+                           ("tiered", dict(hbm_ratio=0.1, evict_ratio=0.0, retier_interval=8, recent_window=4,
+                                           attention="ordered"))):
         cache = kvtier.make_cache(policy, model, **params)
         o = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=96, min_new_tokens=96,
                            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
@@ -95,14 +97,20 @@ def test_bench_cpu_json_schema(tmp_path):
     out = tmp_path / "bench.json"
     res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "32", "--new-tokens", "4",
                               "--batch", "1,2", "--hbm-ratio", "0.3,0.5", "--evict-ratio", "0.03", "--repeats", "1", "--recent-window", "8", "--t1-on-device",
+                                  "--attention", "split,ordered", "--t1-attention", "stream,host",
                               "--device", "cpu", "--dtype", "fp32", "--json", str(out)])
     assert res.exit_code == 0, res.output
     assert "kvtier bench" in res.output and "tiered" in res.output
     data = json.loads(out.read_text())
     assert {"date", "device", "torch", "transformers", "config", "memcpy_peak_gbps", "results", "warmup_steps"} <= set(data)
     rows = data["results"]
-    assert [(r["batch"], r["policy"]) for r in rows] == [(b, p) for b in (1, 2) for p in ("stock_sdpa", "full") + ("tiered",) * 4]
+    per_batch = ("stock_sdpa", "stock_static", "full", "full") + ("tiered",) * 8
+    assert [(r["batch"], r["policy"]) for r in rows] == [(b, p) for b in (1, 2) for p in per_batch]
     assert sum(bool(r["params"].get("t1_on_device")) for r in rows) == 4
+    # per tiered point: split/stream, split/host, ordered (streams), t1_on_device
+    modes = [(r["params"].get("attention"), r["params"].get("t1_attention")) for r in rows[4:8]]
+    assert modes == [("split", "stream"), ("split", "host"), ("ordered", "stream"), (None, "stream")]
+    assert [r["t1_mode"] for r in rows[4:7]] == ["stream", "host", "stream"]
     common = {"batch", "policy", "params", "decode_tok_s", "ms_per_step", "ratio_to_full", "ratio_to_stock",
               "peak_device_bytes", "kv_bytes", "allocated_bytes", "seconds_repeats"}
     for r in rows:
@@ -115,13 +123,16 @@ def test_bench_cpu_json_schema(tmp_path):
             assert r["retiers"] >= 1
             if r["params"].get("t1_on_device"):  # streams only at reassignments, maybe none in 4 timed steps
                 assert r["h2d_bytes_per_step"] >= 0
+            elif r["t1_mode"] == "host":  # attended where it lives: nothing crosses per step
+                assert r["h2d_bytes_per_step"] == 0
             else:
                 assert r["h2d_bytes_per_step"] > 0
-    assert [r["ratio_to_full"] for r in rows if r["policy"] == "full"] == [1.0, 1.0]
+    assert [r["ratio_to_full"] for r in rows if r["policy"] == "full" and not r["params"]] == [1.0, 1.0]
 
 
 def test_plan_matches_hand_computed_values():
-    p = plan("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", batch=8, seq_len=32768, hbm_ratio=0.3, evict_ratio=0.03)
+    p = plan("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", batch=8, seq_len=32768, hbm_ratio=0.3, evict_ratio=0.03,
+             pcie_gbps=50.0)
     assert p["kv_bytes_per_token"] == 28 * 4 * 128 * 2 * 2 == 57_344
     assert p["int8_bytes_per_token"] == 28 * 4 * (128 + 4) * 2
     n3, n0 = 983, 9830  # floor(0.03 * 32768), floor(0.3 * 32768)
@@ -137,6 +148,44 @@ def test_plan_matches_hand_computed_values():
     assert q["bytes_per_seq"]["T2"] == 300 * 28 * 4 * 132 * 2
     prot = plan("random:qwen2-7b", 1, 1000, hbm_ratio=0.1, protected_tokens=300)
     assert prot["tokens_per_seq"]["T0"] == 300
+
+
+def test_plan_floors_per_t1_mode_match_hand_computed_values():
+    """Qwen2-7B shapes, batch 8, 4K context, hbm 0.5, no eviction, on the h200 profile (4800 / 55 / 150 GB/s)."""
+    p = plan("random:qwen2-7b", batch=8, seq_len=4096, hbm_ratio=0.5, evict_ratio=0.0, hardware="h200")
+    fp = 57_344  # 28 layers x 4 kv-heads x 128 x K,V x 2 bytes
+    w = p["weights_bytes"]
+    t0 = t1 = 8 * 2048 * fp  # 0.94 GB each
+    full = 8 * 4096 * fp
+    ms = lambda b, gbps: 1e3 * b / (gbps * 1e9)  # noqa: E731
+    f = p["step_floor_ms"]
+    assert abs(f["full_cache"] - ms(w + full, 4800)) < 1e-9
+    assert abs(f["stream"] - max(ms(t1, 55), ms(w + t0 + t1, 4800))) < 1e-9  # PCIe-bound: 17.1 ms
+    assert abs(f["host"] - max(ms(t1, 150), ms(w + t0, 4800))) < 1e-9  # host-bound: 6.3 ms
+    x = 55 / (55 + 150)
+    assert abs(f["both"] - max(ms(t1, 205), ms(w + t0 + x * t1, 4800))) < 1e-9  # 4.6 ms
+    assert p["best_mode"] == "both"
+    assert abs(p["throughput_ratio_floor"] - f["full_cache"] / f["both"]) < 1e-12
+    assert abs(p["throughput_ratio_floor_by_mode"]["stream"] - f["full_cache"] / f["stream"]) < 1e-12
+    # the smallest hbm_ratio whose best floor is within 5% of the full cache's, found by hand on a 0.01 grid
+    small = p["smallest_hbm_ratio_within_5pct"]["best"]
+    def best(h):
+        n0 = int(h * 4096 + 1e-9)
+        a, b = 8 * n0 * fp, 8 * (4096 - n0) * fp
+        return min(max(ms(b, 55), ms(w + a + b, 4800)), max(ms(b, 150), ms(w + a, 4800)),
+                   max(ms(b, 205), ms(w + a + x * b, 4800)))
+    first = next(i / 100 for i in range(101) if best(i / 100) <= 1.05 * ms(w + full, 4800))
+    assert small == first and 0 < small < 1
+    # explicit bandwidths override the profile; the cpu profile exists; bad values are named
+    o = plan("random:qwen2-7b", 1, 4096, hardware="cpu", host_gbps=10.0)
+    assert o["hardware"]["host_gbps"] == 10.0 and o["hardware"]["hbm_gbps"] == 40.0
+    with pytest.raises(ValueError, match="--hardware"):
+        plan("random:qwen2-7b", 1, 10, hardware="tpu")
+    with pytest.raises(ValueError, match="--host-gbps"):
+        plan("random:qwen2-7b", 1, 10, host_gbps=0)
+    res = runner.invoke(app, ["plan", "--model", "random:qwen2-7b", "--batch", "8", "--seq-len", "4096",
+                              "--hbm-ratio", "0.5", "--evict-ratio", "0"])
+    assert res.exit_code == 0 and "stream" in res.output and "host" in res.output and "both (best)" in res.output
 
 
 def test_plan_reads_a_config_json(tmp_path):

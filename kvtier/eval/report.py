@@ -14,6 +14,21 @@ _GEN_KEYS = ("benchmark", "model", "max_new_tokens", "temperature", "top_p", "se
 _IDENTITY_KEYS = ("model_fingerprint", "dtype", "device")
 
 
+def _device_tokens(r: dict) -> float:
+    """Device KV tokens of one sequence at its batch's peak (``peak_device_tokens`` / batch size); records written
+    before the peak was recorded give the end state (T0)."""
+    peak = r.get("peak_device_tokens")
+    if peak is not None and r.get("batch_size"):
+        return peak / r["batch_size"]
+    return r["tier_tokens"]["T0"]
+
+
+def _bpt(r: dict) -> float:
+    """KV bytes per device token of the record's model (from its own tier bytes)."""
+    t = r["tier_tokens"]["T0"]
+    return r["tier_bytes"]["T0"] / t if t else 0.0
+
+
 def _base(r: dict) -> tuple:
     """What a configuration is compared within: benchmark, model (and weights, dtype, device), generation."""
     ki = r.get("key_inputs") or {}
@@ -98,8 +113,9 @@ def summarize(records: list[dict]) -> dict:
             "comparison": comparison(r0["policy"], params),
             "evict_ratio": eviction_ratio(r0["policy"], params),
             "hbm_ratio": params.get("hbm_ratio"),
-            # device tokens each problem ended with, and (baselines) what its budget allowed
-            "mean_device_tokens": sum(r["tier_tokens"]["T0"] for r in recs) / n,
+            # device tokens per sequence at the batch's peak (older records: at the end), and (baselines) what the
+            # budget allowed
+            "mean_device_tokens": sum(_device_tokens(r) for r in recs) / n,
             "mean_budget_tokens": (sum(r["budget_tokens"] for r in recs) / n
                                    if all(r.get("budget_tokens") is not None for r in recs) else None),
             "n": n,
@@ -108,7 +124,7 @@ def summarize(records: list[dict]) -> dict:
             "ci_low": lo,
             "ci_high": hi,
             "mean_generated_tokens": sum(r["generated_tokens"] for r in recs) / n,
-            "mean_device_kv_bytes": sum(r["tier_bytes"]["T0"] for r in recs) / n,
+            "mean_device_kv_bytes": sum(_device_tokens(r) * _bpt(r) for r in recs) / n,
             "mean_evicted_fraction": sum(r["tier_tokens"]["T3"] / max(1, sum(r["tier_tokens"].values())) for r in recs) / n,
             "seconds": sum(r["seconds"] for r in recs),
         }
@@ -126,7 +142,8 @@ def summarize(records: list[dict]) -> dict:
                     retention=(sum(x["correct"] for _, x in pairs) / len(pairs)) / fa if fa else None,
                     mcnemar_p=mcnemar_exact(b, c),
                     identical_to_full=sum(a["completion"] == x["completion"] for a, x in pairs) / len(pairs),
-                    device_kv_vs_full=(sum(x["tier_bytes"]["T0"] for _, x in pairs) / max(1, sum(a["tier_bytes"]["T0"] for a, _ in pairs))),
+                    device_kv_vs_full=(sum(_device_tokens(x) * _bpt(x) for _, x in pairs)
+                                       / max(1, sum(_device_tokens(a) * _bpt(a) for a, _ in pairs))),
                 )
         rows.append(row)
     rows.sort(key=lambda x: (x["benchmark"], x["policy"] != "full", x["policy"], x["evict_ratio"] or 0, x["hbm_ratio"] or 0))
@@ -193,7 +210,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
         lines += ["Configurations differ in: " + "; ".join(f"{k} = {v}" for k, v in s["differing"].items()), ""]
     lines += [
              "Budget: what a baseline's budget allowed at the end (mean tokens per problem, its forced set included); "
-             "device tokens: what each policy held on the device at the end.", "",
+             "device tokens: what each policy held on the device per sequence at its peak (records from before peaks "
+             "were recorded: at the end); device KV vs full compares those peaks.", "",
              "| benchmark | policy | comparison | evict | hbm | budget (tokens) | device tokens | n | accuracy (95% CI) | retention | McNemar p vs full | identical to full | device KV vs full |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -279,7 +297,7 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
                 tag = _short(r)
                 if tag:
                     ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
-        ax.set(xlabel="device KV at the end, % of full" if rel else "device KV per sequence at the end (MiB)",
+        ax.set(xlabel="peak device KV, % of full" if rel else "peak device KV per sequence (MiB)",
                ylabel="accuracy (%), 95% Wilson interval", title=f"{bench}: device memory vs accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

@@ -316,6 +316,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
             "generated_tokens": n_gen,
             **_row_stats(cache, row),
             "peak_device_kv_bytes": stats.get("peak_device_kv_bytes"),
+            "peak_device_tokens": stats.get("peak_device_tokens"),
             "streamed_bytes": stats["transfer"]["stream_h2d_bytes"] / len(batch),
             "moved_bytes": (stats["transfer"]["migration_h2d_bytes"] + stats["transfer"]["migration_d2h_bytes"]) / len(batch),
             "batch_size": len(batch),

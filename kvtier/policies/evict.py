@@ -25,6 +25,7 @@ class EvictPolicy(Policy):
         sink_tokens: int = 4,
         recent_window: int = 128,
         protect_prompt: bool = True,
+        attention: str = "split",
     ) -> KVTierCache:
         cfg = TierConfig(0.0, 0.0, evict_ratio, retier_interval, sink_tokens, recent_window, protect_prompt, rest_tier="T0")
-        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name)
+        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name, attention=attention)

@@ -1,7 +1,8 @@
 """``full``: every token kept in device memory, through the same attention path as the tiered cache.
 
-It is the reference every other policy is compared with; with ``tiered`` at ``evict_ratio=0`` it gives
-bit-identical outputs (Proposition 1).
+It is the reference every other policy is compared with; with ``attention="ordered"`` on both, ``tiered`` at
+``evict_ratio=0`` gives bit-identical outputs (Proposition 1). In the default split mode it has one region and no
+scores to keep, so it attends with the fused SDPA kernel.
 """
 
 from __future__ import annotations
@@ -16,6 +17,6 @@ class FullPolicy(Policy):
     description = "keep everything on the device (reference)"
 
     @classmethod
-    def build(cls, num_layers: int) -> KVTierCache:
+    def build(cls, num_layers: int, attention: str = "split") -> KVTierCache:
         cfg = TierConfig(hbm_ratio=1.0, quant_ratio=0.0, evict_ratio=0.0)
-        return KVTierCache(cfg, num_layers, retier=False, policy=cls.name)
+        return KVTierCache(cfg, num_layers, retier=False, policy=cls.name, attention=attention)

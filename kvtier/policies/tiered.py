@@ -3,9 +3,15 @@
 Protected tokens (the prompt by default, ``sink_tokens`` first and ``recent_window`` last tokens) stay in T0.
 Every ``retier_interval`` decode steps the rest are ranked by cumulative attention and split by the ratios.
 
-``t1_on_device=True`` keeps a device copy of the assembled tiers between reassignments: T1/T2 then cross the bus
+``attention="split"`` (default) attends every tier where it lives and merges the partial softmaxes by log-sum-exp;
+``attention="ordered"`` gathers the kept tokens in position order first (bit-identical across HBM ratios: the
+reference). ``t1_attention`` says where T1 (and T2) are attended in split mode: ``"stream"`` copies them to the
+device each step, ``"host"`` attends them on the host and sends back one small partial, ``"auto"`` picks per
+reassignment from measured bandwidths (on a CPU-only machine: ``"host"``, i.e. in place).
+
+``t1_on_device=True`` keeps a device copy of the host tiers between reassignments: T1/T2 then cross the bus
 once per reassignment instead of every step, at the price of device memory (that of the full cache). Outputs
-are unchanged (bit for bit); the benchmark shows the trade.
+are unchanged; the benchmark shows the trade.
 """
 
 from __future__ import annotations
@@ -31,8 +37,9 @@ class TieredPolicy(Policy):
         recent_window: int = 128,
         protect_prompt: bool = True,
         t1_on_device: bool = False,
+        attention: str = "split",
+        t1_attention: str = "auto",
     ) -> KVTierCache:
         cfg = TierConfig(hbm_ratio, quant_ratio, evict_ratio, retier_interval, sink_tokens, recent_window, protect_prompt)
-        if not isinstance(t1_on_device, bool):
-            raise ValueError(f"t1_on_device must be True or False for policy 'tiered', got {t1_on_device!r}")
-        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name, t1_on_device=t1_on_device)
+        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name, t1_on_device=t1_on_device,
+                           attention=attention, t1_attention=t1_attention)

@@ -61,7 +61,7 @@ def drive_layer(policy: str, params: dict, Q, K, V, prefill: int, num_layers: in
     for t0, t1 in [(0, prefill)] + [(t, t + 1) for t in range(prefill, T)]:
         for layer in cache.layers:
             layer.update(K[:, :, t0:t1], V[:, :, t0:t1], kwargs={})
-            layer.attend(Q[:, :, t0:t1], None, scale)
+            layer.attend(Q[:, :, t0:t1], K[:, :, t0:t1], V[:, :, t0:t1], None, scale)
         layer = cache.layers[0]
         history.append([sorted(int(p) for p in layer.pos[0, h, : layer.S] if p >= 0) for h in range(H)])
     return history, cache

@@ -1,0 +1,114 @@
+"""Decode attention math: per-region partial softmaxes, their log-sum-exp merge, and the ordered reference.
+
+One decode query per row attends the kept keys of a layer. The keys live in regions (T0 and the tail on the
+device, T1 and dequantised T2 wherever they are attended); each region gives a :class:`Partial` and
+:func:`merge` combines them exactly as one softmax over the union would (up to float rounding):
+
+    m_r = max_j s_j      l_r = sum_j exp(s_j - m_r)      o_r = sum_j exp(s_j - m_r) v_j
+    m = max_r m_r        L = sum_r exp(m_r - m) l_r      out = sum_r exp(m_r - m) o_r / L
+
+The merged, normalised weight of key j in region r is ``exp(s_j - m_r) * exp(m_r - m) / L``: the cumulative score
+is rebuilt from each region's kept ``exp(s_j - m_r)`` and its factor ``f_r = exp(m_r - m) / L``.
+:func:`ordered` (softmax over keys gathered in position order) is the bit-exact reference kept beside it.
+Pure functions on tensors; no cache state here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_NEG_INF = float("-inf")
+EMPTY = -1e30  # the max of a region without keys: finite, far below any real score
+
+
+@dataclass
+class Partial:
+    """One region's contribution for every (row, kv-head, query head of the group).
+
+    o: (B, H, g, D) float32, sum_j exp(s_j - m) v_j (unnormalised).
+    m: (B, H, g, 1) float32, max score; ``EMPTY`` (-1e30) where the row has no key in the region, so that
+       ``exp(s - m)`` and ``exp(m - M)`` are exactly 0 there without a NaN from ``-inf - -inf``.
+    l: (B, H, g, 1) float32, sum_j exp(s_j - m).
+    e: (B, H, g, C) float32 exp(s_j - m) (0 on masked columns), kept only when scores are wanted.
+    """
+
+    o: torch.Tensor
+    m: torch.Tensor
+    l: torch.Tensor
+    e: torch.Tensor | None = None
+
+
+def partial(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float,
+            keep_weights: bool, masked: bool = False) -> Partial:
+    """Partial softmax of queries over one region.
+
+    Args:
+        qg: (B, H, g, D) queries grouped by kv-head (GQA: g query heads per kv-head).
+        k, v: (B, H, C, D) the region's keys and values (any dtype; columns may be stale where ``valid`` is False).
+            Pass whole buffers: a column slice of a (B, H, cap, D) buffer makes some matmul backends copy it.
+        valid: (B, C) bool, columns that hold a kept token; with ``masked=True``, the (B, 1, 1, C) *invalid* mask
+            itself (kept by the caller across steps, one op less per region).
+    """
+    acc = torch.float64 if qg.dtype == torch.float64 else torch.float32  # statistics in float32 (float64 in tests)
+    s = (torch.matmul(qg, k.transpose(-1, -2)) * scaling).to(acc)  # (B, H, g, C), scaled in the model dtype
+    s = s.masked_fill(valid if masked else ~valid[:, None, None, :], _NEG_INF)
+    m = s.amax(dim=-1, keepdim=True).clamp_min_(EMPTY)
+    e = torch.exp(s - m)
+    l = e.sum(dim=-1, keepdim=True)
+    o = torch.matmul(e.to(v.dtype), v).to(acc)
+    return Partial(o, m, l, e if keep_weights else None)
+
+
+def combine(parts: list[Partial]) -> tuple[Partial, list[torch.Tensor]]:
+    """Partials -> one unnormalised partial (as if their keys were one region) and each input's factor
+    ``c_r = exp(m_r - m)`` (B, H, g, 1), so that weights stay recoverable: ``e_r * c_r`` is relative to ``m``.
+    Used where the host tiers (T1, deq T2) are attended, so only one partial crosses back."""
+    if len(parts) == 1:
+        return Partial(parts[0].o, parts[0].m, parts[0].l), [torch.ones_like(parts[0].m)]
+    m = parts[0].m
+    for p in parts[1:]:
+        m = torch.maximum(m, p.m)
+    cs = [torch.exp(p.m - m) for p in parts]
+    o = sum(p.o * c for p, c in zip(parts, cs))
+    l = sum(p.l * c for p, c in zip(parts, cs))
+    return Partial(o, m, l), cs
+
+
+def merge(parts: list[Partial]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Normalised attention output (B, H, g, D) float32 and each partial's weight factor f_r = exp(m_r - m) / L
+    (B, H, g, 1). At least one partial must hold a key for every row (the decode token itself always does).
+    A region without keys (m = ``EMPTY``) gets factor exp(EMPTY - m) = 0."""
+    m = parts[0].m
+    for p in parts[1:]:
+        m = torch.maximum(m, p.m)
+    alphas = [torch.exp(p.m - m) for p in parts]
+    total = sum(p.l * a for p, a in zip(parts, alphas))
+    fs = [a / total for a in alphas]
+    out = sum(p.o * f for p, f in zip(parts, fs))
+    return out, fs
+
+
+def weights(e: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """Merged weight of each key summed over all query heads: (B, C) float32 from e (B, H, g, C), f (B, H, g, 1)."""
+    B, H, g, C = e.shape
+    return torch.bmm(f.reshape(B, 1, H * g), e.reshape(B, H * g, C)).squeeze(1)
+
+
+def ordered(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: softmax over every kept key gathered in position order.
+
+    Args:
+        qg: (B, H, g, D); k, v: (B, H, K, D) in position order; mask: (B, 1, 1, K) bool.
+    Returns:
+        output (B, H, g, D) in ``v``'s dtype and the weights (B, H, g, K) float32.
+    """
+    s = torch.matmul(qg, k.transpose(-1, -2)) * scaling
+    s = s.masked_fill(~mask, _NEG_INF)
+    p = torch.softmax(s, dim=-1, dtype=torch.float32)
+    return torch.matmul(p.to(v.dtype), v), p
+
+
+__all__ = ["EMPTY", "Partial", "combine", "merge", "ordered", "partial", "weights"]

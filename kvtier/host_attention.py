@@ -1,0 +1,174 @@
+"""Attention over the host-resident tiers (T1, dequantised T2) on the host, for ``t1_attention="host"``.
+
+Per layer and decode step the query goes to the host (B·Hq·D values), the host attends T1 and T2 where they live
+and sends back one partial, (o, m, l) = B·Hq·(D+2) values, which the device merges with its own T0 and tail
+partials. On CUDA the host part runs on a worker thread while the device attends T0 and the tail; copies use
+pinned buffers and events, so the only host wait is the merge waiting for the host's partial.
+
+Scores of host-resident tokens accumulate on the host. The merged weights need the merge's factor for the host
+partial, which exists only after the merge on the device: it is copied back (B·Hq floats) and folded in when the
+host next works on that layer (or at :meth:`HostAttention.flush`, before a reassignment reads the scores). The
+fold order per token is that of the device accumulator (step by step, layer by layer), so both modes give the same
+scores. On a CPU-only machine the same code runs with trivial copies (and inline unless ``threaded``).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from .decode_attention import Partial, combine, partial, weights
+from .quant import dequantize
+
+
+@dataclass
+class HostRegion:
+    """One host tier of one layer: K/V (B, H, width, D) host views (int8 + scales for T2), its (B, width) bool
+    occupancy and (B, width) long positions (trash column where empty)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    valid: torch.Tensor
+    pos: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    def kv(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k_scale is None:
+            return self.k, self.v
+        return dequantize(self.k, self.k_scale, dtype), dequantize(self.v, self.v_scale, dtype)
+
+
+def host_tiers_partial(qg: torch.Tensor, regions: list[HostRegion], scaling: float, keep: bool, dtype: torch.dtype
+                       ) -> tuple[Partial, list[Partial], list[torch.Tensor]]:
+    """The host tiers' single partial (their regions combined), the per-region partials and combine factors.
+    The same function serves ``"stream"`` (regions staged on the device) and ``"host"`` (regions in host memory),
+    so both give the same floats."""
+    parts = []
+    for r in regions:
+        k, v = r.kv(dtype)
+        parts.append(partial(qg, k, v, r.valid, scaling, keep))
+    merged, cs = combine(parts)
+    return merged, parts, cs
+
+
+class _Done:
+    """A finished job (inline execution), shaped like a Future."""
+
+    def __init__(self, value) -> None:
+        self._value = value
+
+    def result(self):
+        return self._value
+
+
+class HostAttention:
+    """Runs host-tier attention for a cache and owns the host score accumulator's deferred folds.
+
+    Args:
+        device: the compute device.
+        num_layers: layers of the cache.
+        threaded: run host jobs on a worker thread (default: on CUDA only, where they overlap device work).
+    """
+
+    def __init__(self, device: torch.device, num_layers: int, threaded: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.threaded = self.is_cuda if threaded is None else bool(threaded)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-host") if self.threaded else None
+        self.num_layers = num_layers
+        self.scores: torch.Tensor | None = None  # (B, cap + 1) float64 host accumulator, set by the cache
+        self._pending: list[tuple | None] = [None] * num_layers
+        self._f_bufs: list[torch.Tensor | None] = [None] * num_layers  # pinned merge factors (CUDA), one per layer
+        self._q: torch.Tensor | None = None  # pinned query buffer (CUDA)
+        self._out: torch.Tensor | None = None  # pinned (B, H, g, D + 2) result buffer (CUDA)
+        self._out_free = None  # CUDA event: the last result copy out of ``_out`` finished
+        self.jobs = 0
+
+    # ---- per layer and step ------------------------------------------------------------------
+    def submit(self, layer: int, qg: torch.Tensor, regions: list[HostRegion], scaling: float, keep: bool,
+               inv: float) -> Future | _Done:
+        """Start the host partial of ``regions`` for queries ``qg`` (B, H, g, D) on the device."""
+        ready = None
+        if self.is_cuda:
+            if self._q is None or self._q.shape != qg.shape or self._q.dtype != qg.dtype:
+                self._q = torch.empty(qg.shape, dtype=qg.dtype, pin_memory=True)
+            self._q.copy_(qg, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            q_host = self._q
+        else:
+            q_host = qg
+        job = lambda: self._job(layer, q_host, ready, regions, scaling, keep, inv)  # noqa: E731
+        self.jobs += 1
+        return self.pool.submit(job) if self.pool is not None else _Done(job())
+
+    def _job(self, layer, q_host, ready, regions, scaling, keep, inv):
+        self._fold(layer, inv)  # the previous step's weights for this layer, in order
+        if ready is not None:
+            ready.synchronize()
+        merged, parts, cs = host_tiers_partial(q_host, regions, scaling, keep, q_host.dtype)
+        if self.is_cuda:
+            B, H, g, D = merged.o.shape
+            if self._out is None or self._out.shape != (B, H, g, D + 2):
+                self._out = torch.empty(B, H, g, D + 2, dtype=torch.float32, pin_memory=True)
+            elif self._out_free is not None:
+                self._out_free.synchronize()  # the previous layer's result has left the buffer
+            self._out[..., :D].copy_(merged.o)
+            self._out[..., D : D + 1].copy_(merged.m)
+            self._out[..., D + 1 :].copy_(merged.l)
+        return merged, parts, cs, [r.pos for r in regions]
+
+    def result(self, handle) -> tuple[Partial, tuple]:
+        """Wait for the host partial; returns it on the device and the host-side weight state for :meth:`post`."""
+        merged, parts, cs, pos = handle.result()
+        if self.is_cuda:
+            D = merged.o.shape[-1]
+            buf = self._out.to(self.device, non_blocking=True)
+            self._out_free = torch.cuda.Event()
+            self._out_free.record(torch.cuda.current_stream(self.device))
+            merged = Partial(buf[..., :D], buf[..., D : D + 1], buf[..., D + 1 :])
+        return merged, (parts, cs, pos)
+
+    def post(self, layer: int, state: tuple, f: torch.Tensor) -> None:
+        """Hand back the merge's factor ``f`` (B, H, g, 1) for the host partial; its weights are folded later."""
+        event = None
+        if self.is_cuda:
+            f_host = self._f_bufs[layer]
+            if f_host is None or f_host.shape != f.shape:
+                f_host = self._f_bufs[layer] = torch.empty(f.shape, dtype=f.dtype, pin_memory=True)
+            f_host.copy_(f, non_blocking=True)  # its previous content was folded when this step's job started
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            f = f_host
+        self._pending[layer] = (*state, f, event)
+
+    # ---- score folds -------------------------------------------------------------------------
+    def _fold(self, layer: int, inv: float) -> None:
+        pend = self._pending[layer]
+        if pend is None:
+            return
+        parts, cs, pos, f, event = pend
+        if event is not None:
+            event.synchronize()
+        for p, c, ps in zip(parts, cs, pos):
+            self.scores.scatter_add_(1, ps, (weights(p.e, c * f) * inv).to(self.scores.dtype))
+        self._pending[layer] = None
+
+    def flush(self, inv: float) -> None:
+        """Fold every pending weight into the host accumulator (before the scores are read)."""
+        for layer in range(self.num_layers):
+            self._fold(layer, inv)
+
+    def drop(self) -> None:
+        self._pending = [None] * self.num_layers
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True)
+            self.pool = None
+
+
+__all__ = ["HostAttention", "HostRegion", "host_tiers_partial"]
