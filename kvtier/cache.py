@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import TierConfig
-from .decode_attention import merge, ordered, partial, weights
+from .decode_attention import mask_bias, merge, ordered, partial, weights
 from .host_attention import HostAttention, HostRegion, host_tiers_partial
 from .layer_base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
 from .layout import TAIL, Layout, build_layout, gather_rows
@@ -109,7 +109,7 @@ class TierState:
         self.t1_modes: dict[str, int] = {}  # reassignments per chosen T1 mode
         self._meta: dict = {}
         self._meta_key = None
-        self._tail_pos = self._tail_valid = self._tail_invalid = None
+        self._tail_pos = self._tail_bias = None
         self._tail_key = None
         self._tail_filled = 0
         self.n_heads_q = None
@@ -299,8 +299,8 @@ class TierState:
 
     # ---- per-version metadata ----------------------------------------------------------------
     def meta(self) -> dict[str, Any]:
-        """Slot maps of this layout, on the device and (for host tiers) on the host: (B, width) positions and
-        occupancy per tier; tail positions (B, tail cap)."""
+        """Slot maps of this layout, on the device and (for host tiers) on the host: (B, cap) positions and
+        (B, 1, 1, cap) additive masks per tier."""
         key = (self.version, self.cap)
         if self._meta_key == key:
             return self._meta
@@ -308,33 +308,36 @@ class TierState:
         out: dict[str, Any] = {}
         for x in (T0, T1, T2):
             pos, occ = lay.tiers[x].slot_map(self.batch, trash)
-            out[x] = (pos.to(self.device), occ.to(self.device))
+            bias = mask_bias(occ)
+            out[x] = (pos.to(self.device), bias.to(self.device))
+            out[("bias", x)] = out[x][1]
             if x in (T1, T2):
-                out[("host", x)] = (pos, occ)
+                out[("host", x)] = (pos, bias)
         self._meta, self._meta_key = out, key
         return out
 
     def device_view(self, cap0: int, cap_t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device region (T0's ``cap0`` slots, then the tail's ``cap_t`` columns, one buffer): (B, 1, 1, C) bool
-        *invalid* mask and (B, C) long score positions, on the device. Rebuilt per layout; each step only marks its
-        new tail column, in place."""
+        """The device region (T0's ``cap0`` slots, then the tail's ``cap_t`` columns, one buffer): its (B, 1, 1, C)
+        float32 additive mask (0 kept, -inf empty) and (B, C) long score positions, on the device. Rebuilt per
+        layout; each step only opens its new tail column, in place."""
         key = (self.version, cap0, cap_t, self.cap)
         n_main = self.layout.n_main
         if self._tail_key != key:
-            pos0, occ0 = self.meta()[T0]
+            pos0, _ = self.meta()[T0]
             tail = n_main + torch.arange(cap_t, device=self.device)
             tail = torch.where(tail < self.cap, tail, self.cap).expand(self.batch, cap_t)
             self._tail_pos = torch.cat([pos0, tail], dim=1)
-            self._tail_valid = torch.cat([occ0, torch.zeros(self.batch, cap_t, dtype=torch.bool, device=self.device)], 1)
-            self._tail_invalid = ~self._tail_valid.view(self.batch, 1, 1, -1)
+            closed = torch.full((self.batch, 1, 1, cap_t), float("-inf"), device=self.device)
+            self._tail_bias = torch.cat([self.meta()[("bias", T0)], closed], dim=3)
             self._tail_filled = 0
             self._tail_key = key
         t = self.n_total - n_main
         if self._tail_filled < t:
             new = self.valid_dev[:, n_main + self._tail_filled : self.n_total]
-            self._tail_invalid[:, 0, 0, cap0 + self._tail_filled : cap0 + t] = ~new
+            cols = self._tail_bias[:, 0, 0, cap0 + self._tail_filled : cap0 + t]
+            cols.zero_().masked_fill_(~new, float("-inf"))
             self._tail_filled = t
-        return self._tail_invalid, self._tail_pos
+        return self._tail_bias, self._tail_pos
 
     # ---- the ordered path's per-step view ----------------------------------------------------
     def step_view(self) -> dict[str, Any]:
@@ -381,8 +384,10 @@ def measure_bandwidths(device: torch.device, dtype: torch.dtype, heads: int, hea
             out = min(out, time.perf_counter() - t)
         return out
 
-    host_s = best(lambda: partial(q, k, v, valid, 0.1, True))
-    small = best(lambda: partial(q, k[:, :, :16], v[:, :, :16], valid[:, :16], 0.1, True))
+    bias = mask_bias(valid)
+    small_k, small_v = k[:, :, :16].contiguous(), v[:, :, :16].contiguous()
+    host_s = best(lambda: partial(q, k, v, bias, 0.1, True))
+    small = best(lambda: partial(q, small_k, small_v, bias[..., :16], 0.1, True))
     if device.type == "cuda":
         src = torch.empty(nbytes * 4, dtype=torch.uint8, pin_memory=True)
         dst = torch.empty_like(src, device=device)
@@ -666,8 +671,8 @@ class TieredLayer(KVTierLayer):
         if host_tiers and st.host_attn:
             job = st.host.submit(self.layer_idx, qg, self._host_regions(host_tiers, meta, on_host=True), scaling, keep, inv)
         # T0 and the tail are one contiguous device buffer, attended whole (empty slots and columns masked)
-        invalid, dpos = st.device_view(self.cap0, self.tail_k.shape[2])
-        parts = [partial(qg, self.dev_k, self.dev_v, invalid, scaling, keep, masked=True)]
+        bias, dpos = st.device_view(self.cap0, self.tail_k.shape[2])
+        parts = [partial(qg, self.dev_k, self.dev_v, bias, scaling, keep)]
         pos = [dpos]
         host_state = None
         if host_tiers:

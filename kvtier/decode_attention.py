@@ -40,22 +40,27 @@ class Partial:
     e: torch.Tensor | None = None
 
 
-def partial(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scaling: float,
-            keep_weights: bool, masked: bool = False) -> Partial:
+def mask_bias(valid: torch.Tensor) -> torch.Tensor:
+    """(B, C) bool validity -> (B, 1, 1, C) float32 additive mask: 0 where valid, -inf elsewhere."""
+    bias = torch.zeros(valid.shape[0], 1, 1, valid.shape[1], dtype=torch.float32, device=valid.device)
+    return bias.masked_fill_(~valid.view(bias.shape), _NEG_INF)
+
+
+def partial(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scaling: float,
+            keep_weights: bool) -> Partial:
     """Partial softmax of queries over one region.
 
     Args:
-        qg: (B, H, g, D) queries grouped by kv-head (GQA: g query heads per kv-head).
-        k, v: (B, H, C, D) the region's keys and values (any dtype; columns may be stale where ``valid`` is False).
-            Pass whole buffers: a column slice of a (B, H, cap, D) buffer makes some matmul backends copy it.
-        valid: (B, C) bool, columns that hold a kept token; with ``masked=True``, the (B, 1, 1, C) *invalid* mask
-            itself (kept by the caller across steps, one op less per region).
+        qg: (B, H, g, D) queries grouped by kv-head (GQA: g query heads per kv-head), contiguous.
+        k, v: (B, H, C, D) the region's keys and values (any dtype; columns may be stale where masked). Pass whole
+            buffers: a column slice of a (B, H, cap, D) buffer makes some matmul backends copy it first.
+        bias: (B, 1, 1, C) float32, 0 on kept columns and -inf elsewhere (:func:`mask_bias`); the caller keeps it
+            across steps. Scaling, masking and the cast to float32 are then one op.
     """
     acc = torch.float64 if qg.dtype == torch.float64 else torch.float32  # statistics in float32 (float64 in tests)
-    s = (torch.matmul(qg, k.transpose(-1, -2)) * scaling).to(acc)  # (B, H, g, C), scaled in the model dtype
-    s = s.masked_fill(valid if masked else ~valid[:, None, None, :], _NEG_INF)
+    s = torch.add(bias.to(acc), torch.matmul(qg, k.transpose(-1, -2)), alpha=scaling)  # (B, H, g, C)
     m = s.amax(dim=-1, keepdim=True).clamp_min_(EMPTY)
-    e = torch.exp(s - m)
+    e = s.sub_(m).exp_()  # in place: s is not needed any more
     l = e.sum(dim=-1, keepdim=True)
     o = torch.matmul(e.to(v.dtype), v).to(acc)
     return Partial(o, m, l, e if keep_weights else None)
@@ -111,4 +116,4 @@ def ordered(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return torch.matmul(p.to(v.dtype), v), p
 
 
-__all__ = ["EMPTY", "Partial", "combine", "merge", "ordered", "partial", "weights"]
+__all__ = ["EMPTY", "Partial", "mask_bias", "combine", "merge", "ordered", "partial", "weights"]

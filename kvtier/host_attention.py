@@ -25,12 +25,12 @@ from .quant import dequantize
 
 @dataclass
 class HostRegion:
-    """One host tier of one layer: K/V (B, H, width, D) host views (int8 + scales for T2), its (B, width) bool
-    occupancy and (B, width) long positions (trash column where empty)."""
+    """One host tier of one layer: K/V (B, H, cap, D) buffers (int8 + scales for T2), its (B, 1, 1, cap) additive
+    mask (0 occupied, -inf empty) and (B, cap) long positions (trash column where empty)."""
 
     k: torch.Tensor
     v: torch.Tensor
-    valid: torch.Tensor
+    bias: torch.Tensor
     pos: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
@@ -49,7 +49,7 @@ def host_tiers_partial(qg: torch.Tensor, regions: list[HostRegion], scaling: flo
     parts = []
     for r in regions:
         k, v = r.kv(dtype)
-        parts.append(partial(qg, k, v, r.valid, scaling, keep))
+        parts.append(partial(qg, k, v, r.bias, scaling, keep))
     merged, cs = combine(parts)
     return merged, parts, cs
 

@@ -8,7 +8,7 @@ import torch
 
 import kvtier
 from conftest import decode_loop, generate, prompt_ids
-from kvtier.decode_attention import combine, merge, ordered, partial, weights
+from kvtier.decode_attention import combine, mask_bias, merge, ordered, partial, weights
 from kvtier.planner import T3
 
 
@@ -37,7 +37,7 @@ def test_partials_merge_to_the_softmax_over_the_union(seed):
     ref = p @ v
     ord_out, ord_p = ordered(q, k, v, mask2.view(B, 1, 1, K), 0.3)  # the ordered path keeps p in float32
     assert torch.allclose(ord_out, ref, atol=1e-6, rtol=0) and torch.allclose(ord_p.double(), p, atol=1e-6, rtol=0)
-    parts = [partial(q, k[:, :, c], v[:, :, c], vm, 0.3, True) for c, vm in zip(cols, valid)]
+    parts = [partial(q, k[:, :, c], v[:, :, c], mask_bias(vm), 0.3, True) for c, vm in zip(cols, valid)]
     # two regions combined first (as the host tiers are), then merged with the others
     host, cs = combine(parts[2:])
     out, fs = merge(parts[:2] + [host])
