@@ -51,6 +51,9 @@ class BenchConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        w = self.warmup_steps
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise ValueError(f"--warmup-steps must be an integer >= 0, got {w!r}")
         if not self.batches or any(not isinstance(b, int) or b < 1 for b in self.batches):
             raise ValueError(f"batch sizes must be integers >= 1, got {self.batches!r}")
         import math

@@ -68,6 +68,7 @@ def flags_for(command: str) -> dict:
                   "--batch": _mix(["1"], BAD_NUMBERS + ["1,x"]), "--policy": _mix(["full", "full,tiered"], BAD_WORDS),
                   "--hbm-ratio": RATIOS, "--evict-ratio": RATIOS, "--retier-interval": _mix(["4"], BAD_NUMBERS),
                   "--recent-window": _mix(["2"], BAD_NUMBERS), "--repeats": _mix(["1"], BAD_NUMBERS),
+                  "--warmup-steps": _mix(["0", "2"], BAD_NUMBERS),
                   "--attention": _mix(["split", "split,ordered"], BAD_WORDS),
                   "--t1-attention": _mix(["auto", "stream,host"], BAD_WORDS),
                   "--device": DEVICE, "--dtype": DTYPE},
