@@ -39,6 +39,7 @@ class BenchConfig:
     repeats: int = 3
     warmup_steps: int | None = None  # default: retier_interval + 8
     stock: bool = True
+    warm_repeat: bool = True  # run every configuration once untimed first (kernels, allocators)
     t1_on_device: bool = False  # also time each tiered point with a device copy of T1 (the HBM-for-PCIe trade)
     attentions: tuple[str, ...] = ("split",)  # each tiered point (and full) is timed once per attention mode
     t1_attentions: tuple[str, ...] = ("auto",)  # ... and, in split mode, once per T1 mode
@@ -142,7 +143,8 @@ def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
     return out
 
 
-def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, device: torch.device) -> dict:
+def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, device: torch.device,
+             per_step: bool = True) -> dict:
     import kvtier
 
     cache = make()
@@ -156,11 +158,16 @@ def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, 
         before = cache.stats() if isinstance(cache, kvtier.KVTierCache) else None
         _sync(device)
         t = time.perf_counter()
+        steps_s = []
         for _ in range(steps):
+            t0 = time.perf_counter()
             tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            if per_step:
+                _sync(device)
+                steps_s.append(time.perf_counter() - t0)
         _sync(device)
         dt = time.perf_counter() - t
-    rec = {"seconds": dt, "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+    rec = {"seconds": dt, "step_seconds": steps_s, "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
     if before is not None:
         after = cache.stats()
         tb, ta = before["transfer"], after["transfer"]
@@ -203,7 +210,8 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
         ids = torch.randint(0, vocab, (B, cfg.context), generator=g).to(device)
         runs: dict[int, list[dict]] = {}
         configs = _configs(cfg)
-        for r in range(cfg.repeats + 1):  # repeat 0 warms up kernels and allocators; not reported
+        first = 0 if cfg.warm_repeat else 1
+        for r in range(first, cfg.repeats + 1):  # repeat 0 warms up kernels and allocators; not reported
             for i, (name, params) in enumerate(configs):
                 if name == "stock_sdpa":
                     model.set_attn_implementation("sdpa")
@@ -230,6 +238,9 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
                 "params": params,
                 "decode_tok_s": B * cfg.new_tokens / med,
                 "ms_per_step": 1e3 * med / cfg.new_tokens,
+                # median of every timed step of every repeat: robust to bursts of interference on a shared machine
+                # (and it leaves out the one reassignment step per retier_interval, which ms_per_step includes)
+                "ms_per_step_median": 1e3 * statistics.median(x for rec in recs for x in rec["step_seconds"]),
                 "seconds_repeats": [x["seconds"] for x in recs],
                 "peak_device_bytes": last["peak_device_bytes"],
                 "kv_bytes": last["kv_bytes"],
@@ -253,15 +264,19 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
                     t1_mode=last["t1_mode"],
                     peak_device_kv_bytes=last["peak_device_kv_bytes"],
                 )
-            if (name == "full" and not params) or name in ("stock_sdpa", "stock_static"):
+            if (name == "full" and not params) or name in ("stock_sdpa", "stock_static"):  # the bases of the ratios
                 base[name] = row["decode_tok_s"]
             rows.append(row)
         stock = max((base[k] for k in ("stock_sdpa", "stock_static") if k in base), default=None)
+        med = {r["policy"]: r["ms_per_step_median"] for r in rows if r["batch"] == B and not r["params"]}
+        stock_med = min((med[k] for k in ("stock_sdpa", "stock_static") if k in med), default=None)
         for row in rows:
             if row["batch"] == B:
                 row["ratio_to_full"] = row["decode_tok_s"] / base["full"]
                 # against the faster of the two stock paths, measured in the same run
                 row["ratio_to_stock"] = row["decode_tok_s"] / stock if stock else None
+                row["median_ratio_to_full"] = med["full"] / row["ms_per_step_median"]
+                row["median_ratio_to_stock"] = stock_med / row["ms_per_step_median"] if stock_med else None
         if on_rows:
             on_rows(_result(cfg, device, warmup, peak, rows))
     return _result(cfg, device, warmup, peak, rows)

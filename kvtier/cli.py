@@ -459,6 +459,7 @@ def bench(
     recent_window: int = typer.Option(128, help="tiered: protected recent tokens (the prompt is not protected here: it stands for earlier thoughts)"),
     repeats: int = typer.Option(3),
     warmup_steps: Optional[int] = typer.Option(None, help="untimed decode steps before timing (default retier_interval + 8)"),
+    warm_repeat: bool = typer.Option(True, help="run every configuration once untimed before the timed repeats"),
     stock: bool = typer.Option(True, help="also time stock transformers (SDPA + DynamicCache and StaticCache)"),
     t1_on_device: bool = typer.Option(False, "--t1-on-device", help="also time tiered with a device copy of T1 (HBM for PCIe)"),
     attention: str = typer.Option("split", help="comma-separated attention modes to time: split, ordered"),
@@ -485,14 +486,18 @@ def bench(
             hbm_ratios=tuple(_numbers("--hbm-ratio", [x for x in hbm_ratio.split(",") if x.strip()])),
             evict_ratios=tuple(_numbers("--evict-ratio", [x for x in evict_ratio.split(",") if x.strip()])),
             retier_interval=retier_interval, recent_window=recent_window, repeats=repeats, stock=stock,
-            warmup_steps=warmup_steps,
+            warmup_steps=warmup_steps, warm_repeat=warm_repeat,
             t1_on_device=t1_on_device, device=device, dtype=dtype,
             attentions=tuple(x.strip() for x in attention.split(",") if x.strip()),
             t1_attentions=tuple(x.strip() for x in t1_attention.split(",") if x.strip()),
         )
-        from .models import resolve_dtype
+        from .models import peek_position_limit, resolve_dtype
 
         resolve_dtype(dtype, resolve_device(device))
+        total = cfg.context + (cfg.retier_interval + 8 if cfg.warmup_steps is None else cfg.warmup_steps) + cfg.new_tokens
+        lim = peek_position_limit(cfg.model)
+        if lim is not None and total > lim:
+            raise ValueError(f"--context + --warmup-steps + --new-tokens = {total} does not fit {cfg.model}'s {lim} positions")
         save = (lambda partial: _write_json(json_out, partial)) if json_out else None
         with console.status("benchmarking") as status:
             res = run_bench(cfg, on_progress=lambda m: status.update(m), on_rows=save)
@@ -524,7 +529,8 @@ def _write_json(path: Path, obj: dict) -> None:
 def print_bench(res: dict) -> None:
     t = Table(title=f"kvtier bench: {res['config']['model']} on {res['device']}, context {res['config']['context']}, "
                     f"{res['config']['new_tokens']} steps, memcpy peak {res['memcpy_peak_gbps']:.1f} GB/s")
-    for col in ("batch", "policy", "params", "tok/s", "ms/step", "vs full", "vs stock", "xfer share", "H2D GB/s (% peak)",
+    for col in ("batch", "policy", "params", "tok/s", "ms/step", "median ms/step", "vs full (median)", "vs stock (median)",
+                "xfer share", "H2D GB/s (% peak)",
                 "H2D MiB/step", "peak dev MiB", "KV MiB T0/T1/T2"):
         t.add_column(col)
     mib = 2**20
@@ -539,7 +545,9 @@ def print_bench(res: dict) -> None:
         gb = f"{r['h2d_gbps']:.1f} ({100 * r['h2d_fraction_of_peak']:.0f}%)" if r.get("h2d_gbps") else "–"
         kv = r["kv_bytes"]
         t.add_row(str(r["batch"]), r["policy"], p, f"{r['decode_tok_s']:.1f}", f"{r['ms_per_step']:.1f}",
-                  f"{r['ratio_to_full']:.3f}", f"{r['ratio_to_stock']:.3f}" if r.get("ratio_to_stock") else "–",
+                  f"{r['ms_per_step_median']:.1f}",
+                  f"{r['ratio_to_full']:.3f} ({r['median_ratio_to_full']:.3f})",
+                  f"{r['ratio_to_stock']:.3f} ({r['median_ratio_to_stock']:.3f})" if r.get("ratio_to_stock") else "–",
                   f"{100 * r['transfer_share']:.1f}%" if "transfer_share" in r else "–", gb,
                   f"{r['h2d_bytes_per_step'] / mib:.2f}" if "h2d_bytes_per_step" in r else "–",
                   f"{r['peak_device_bytes'] / mib:.0f}" if r.get("peak_device_bytes") else "–",
