@@ -28,8 +28,8 @@ stamp="$(date -u +%Y-%m-%d)"
 for ctx in 4096 16384; do
   python3 -m kvtier plan --model random:qwen2-7b --batch 8 --seq-len "$ctx" --hbm-ratio 0.5 --evict-ratio 0.03 \
     --hardware h200 | tee "$OUT/gpu_h200_plan_ctx${ctx}_${stamp}.txt"
-  python3 -m kvtier bench --model random:qwen2-7b --context "$ctx" --new-tokens 128 --batch 1,8 \
-    --policy full,tiered --hbm-ratio 0.5 --evict-ratio 0.03 --repeats 1 --device cuda --dtype bf16 \
+  python3 -m kvtier bench --model random:qwen2-7b --context "$ctx" --new-tokens 128 --warmup-steps 8 --batch 1,8 \
+    --policy full,tiered --hbm-ratio 0.5 --evict-ratio 0.03 --repeats 1 --no-warm-repeat --device cuda --dtype bf16 \
     --attention split,ordered --t1-attention stream,host,auto \
     --json "$OUT/gpu_h200_qwen2-7b_ctx${ctx}_${stamp}.json" | tee "$OUT/gpu_h200_qwen2-7b_ctx${ctx}_${stamp}.txt"
 done

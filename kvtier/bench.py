@@ -40,6 +40,7 @@ class BenchConfig:
     warmup_steps: int | None = None  # default: retier_interval + 8
     stock: bool = True
     warm_repeat: bool = True  # run every configuration once untimed first (kernels, allocators)
+    interleave: bool = False  # all configurations' caches at once, one step of each in turn (noisy machines)
     t1_on_device: bool = False  # also time each tiered point with a device copy of T1 (the HBM-for-PCIe trade)
     attentions: tuple[str, ...] = ("split",)  # each tiered point (and full) is timed once per attention mode
     t1_attentions: tuple[str, ...] = ("auto",)  # ... and, in split mode, once per T1 mode
@@ -143,51 +144,89 @@ def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
     return out
 
 
-def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, device: torch.device,
-             per_step: bool = True) -> dict:
-    import kvtier
+class _Run:
+    """One configuration's generation: prefill at construction, then timed single steps (synchronized)."""
 
-    cache = make()
+    def __init__(self, model, ids: torch.Tensor, make: Callable, device: torch.device) -> None:
+        import kvtier
+
+        self.model, self.device = model, device
+        self.cache = make()
+        self.is_kvtier = isinstance(self.cache, kvtier.KVTierCache)
+        with torch.no_grad():
+            out = model(input_ids=ids, cache=self.cache, use_cache=True)
+        self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.steps: list[float] = []
+        self.before = None
+
+    def step(self, timed: bool) -> None:
+        _sync(self.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            self.tok = self.model(input_ids=self.tok, cache=self.cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+        _sync(self.device)
+        if timed:
+            self.steps.append(time.perf_counter() - t0)
+
+    def start_timing(self) -> None:
+        self.before = self.cache.stats() if self.is_kvtier else None
+
+    def record(self, seconds: float | None = None) -> dict:
+        dev = self.device
+        rec = {"seconds": sum(self.steps) if seconds is None else seconds, "step_seconds": list(self.steps),
+               "peak_device_bytes": torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else None}
+        if self.before is not None:
+            after = self.cache.stats()
+            tb, ta = self.before["transfer"], after["transfer"]
+            rec.update(
+                transfer_seconds=ta["seconds"] - tb["seconds"],
+                t1_mode=after["t1_attention"]["current"] if isinstance(after.get("t1_attention"), dict) else None,
+                peak_device_kv_bytes=after.get("peak_device_kv_bytes"),
+                stream_h2d_bytes=ta["stream_h2d_bytes"] - tb["stream_h2d_bytes"],
+                migration_bytes=(ta["migration_h2d_bytes"] + ta["migration_d2h_bytes"])
+                - (tb["migration_h2d_bytes"] + tb["migration_d2h_bytes"]),
+                tokens=after["tokens"],
+                kv_bytes=after["bytes"],
+                allocated_bytes=after["allocated_bytes"],
+                retiers=after["retiers"],
+            )
+        else:
+            kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in self.cache.layers
+                     if getattr(layer, "keys", None) is not None)
+            rec.update(kv_bytes={"T0": kv, "T1": 0, "T2": 0}, allocated_bytes={"device": kv, "host": 0, "staging": 0})
+        return rec
+
+
+def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, device: torch.device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with torch.no_grad():
-        out = model(input_ids=ids, cache=cache, use_cache=True)
-        tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        for _ in range(warmup):
-            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-        before = cache.stats() if isinstance(cache, kvtier.KVTierCache) else None
-        _sync(device)
-        t = time.perf_counter()
-        steps_s = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            tok = model(input_ids=tok, cache=cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
-            if per_step:
-                _sync(device)
-                steps_s.append(time.perf_counter() - t0)
-        _sync(device)
-        dt = time.perf_counter() - t
-    rec = {"seconds": dt, "step_seconds": steps_s, "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
-    if before is not None:
-        after = cache.stats()
-        tb, ta = before["transfer"], after["transfer"]
-        rec.update(
-            transfer_seconds=ta["seconds"] - tb["seconds"],
-            t1_mode=after["t1_attention"]["current"] if isinstance(after.get("t1_attention"), dict) else None,
-            peak_device_kv_bytes=after.get("peak_device_kv_bytes"),
-            stream_h2d_bytes=ta["stream_h2d_bytes"] - tb["stream_h2d_bytes"],
-            migration_bytes=(ta["migration_h2d_bytes"] + ta["migration_d2h_bytes"])
-            - (tb["migration_h2d_bytes"] + tb["migration_d2h_bytes"]),
-            tokens=after["tokens"],
-            kv_bytes=after["bytes"],
-            allocated_bytes=after["allocated_bytes"],
-            retiers=after["retiers"],
-        )
-    else:
-        kv = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers
-                 if getattr(layer, "keys", None) is not None)
-        rec.update(kv_bytes={"T0": kv, "T1": 0, "T2": 0}, allocated_bytes={"device": kv, "host": 0, "staging": 0})
-    return rec
+    run = _Run(model, ids, make, device)
+    for _ in range(warmup):
+        run.step(timed=False)
+    run.start_timing()
+    t = time.perf_counter()
+    for _ in range(steps):
+        run.step(timed=True)
+    return run.record(time.perf_counter() - t)
+
+
+def _interleaved(model, ids: torch.Tensor, makes: list[Callable], warmup: int, steps: int, device: torch.device
+                 ) -> list[dict]:
+    """Every configuration's cache at once, one decode step of each in turn: a slow spell of a shared machine then
+    hits every configuration alike (their caches must fit together)."""
+    runs = [_Run(model, ids, make, device) for make in makes]
+    for _ in range(warmup):
+        for run in runs:
+            run.step(timed=False)
+    for run in runs:
+        run.start_timing()
+    for _ in range(steps):
+        for run in runs:
+            run.step(timed=True)
+    recs = [run.record() for run in runs]
+    for rec in recs:
+        rec["peak_device_bytes"] = None  # one allocator peak for all of them: not any one configuration's
+    return recs
 
 
 def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None,
@@ -211,22 +250,36 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
         runs: dict[int, list[dict]] = {}
         configs = _configs(cfg)
         first = 0 if cfg.warm_repeat else 1
+        if cfg.interleave:
+            kvtier.prepare_model(model)  # stock caches then run transformers' SDPA through kvtier's entry point
         for r in range(first, cfg.repeats + 1):  # repeat 0 warms up kernels and allocators; not reported
+            makes = []
             for i, (name, params) in enumerate(configs):
                 if name == "stock_sdpa":
-                    model.set_attn_implementation("sdpa")
+                    if not cfg.interleave:
+                        model.set_attn_implementation("sdpa")
                     make = lambda: DynamicCache(config=model.config)  # noqa: E731
                 elif name == "stock_static":
-                    model.set_attn_implementation("sdpa")
+                    if not cfg.interleave:
+                        model.set_attn_implementation("sdpa")
                     length = cfg.context + warmup + cfg.new_tokens + 1
                     make = lambda n=length: StaticCache(config=model.config, max_cache_len=n)  # noqa: E731
                 else:
                     make = lambda n=name, p=params: kvtier.make_cache(n, model, **p)  # noqa: E731
+                if cfg.interleave:
+                    makes.append(make)
+                    continue
                 rec = _one_run(model, ids, make, warmup, cfg.new_tokens, device)
                 if r > 0:
                     runs.setdefault(i, []).append(rec)
                 if on_progress:
                     on_progress(f"batch {B} repeat {r}/{cfg.repeats} {name} {params}")
+            if cfg.interleave:
+                for i, rec in enumerate(_interleaved(model, ids, makes, warmup, cfg.new_tokens, device)):
+                    if r > 0:
+                        runs.setdefault(i, []).append(rec)
+                if on_progress:
+                    on_progress(f"batch {B} repeat {r}/{cfg.repeats}: {len(configs)} configurations interleaved")
         base = {}
         for i, (name, params) in enumerate(configs):
             recs = runs[i]

@@ -700,11 +700,11 @@ class TieredLayer(KVTierLayer):
         src = self._host_tensors() if on_host else self._staged()
         out = []
         for x in tiers:
-            pos, occ = meta[("host", x)] if on_host else meta[x]
+            pos, bias = meta[("host", x)] if on_host else meta[x]
             if x == T1:
-                out.append(HostRegion(src["k1"], src["v1"], occ, pos))
+                out.append(HostRegion(src["k1"], src["v1"], bias, pos))
             else:
-                out.append(HostRegion(src["k2"], src["v2"], occ, pos, src["k2s"], src["v2s"]))
+                out.append(HostRegion(src["k2"], src["v2"], bias, pos, src["k2s"], src["v2s"]))
         return out
 
     def _attend_ordered(self, query: torch.Tensor, scaling: float) -> torch.Tensor:

@@ -460,6 +460,8 @@ def bench(
     repeats: int = typer.Option(3),
     warmup_steps: Optional[int] = typer.Option(None, help="untimed decode steps before timing (default retier_interval + 8)"),
     warm_repeat: bool = typer.Option(True, help="run every configuration once untimed before the timed repeats"),
+    interleave: bool = typer.Option(False, help="hold every configuration's cache at once and time one step of each in "
+                                                "turn (robust on a shared machine; the caches must fit together)"),
     stock: bool = typer.Option(True, help="also time stock transformers (SDPA + DynamicCache and StaticCache)"),
     t1_on_device: bool = typer.Option(False, "--t1-on-device", help="also time tiered with a device copy of T1 (HBM for PCIe)"),
     attention: str = typer.Option("split", help="comma-separated attention modes to time: split, ordered"),
@@ -486,7 +488,7 @@ def bench(
             hbm_ratios=tuple(_numbers("--hbm-ratio", [x for x in hbm_ratio.split(",") if x.strip()])),
             evict_ratios=tuple(_numbers("--evict-ratio", [x for x in evict_ratio.split(",") if x.strip()])),
             retier_interval=retier_interval, recent_window=recent_window, repeats=repeats, stock=stock,
-            warmup_steps=warmup_steps, warm_repeat=warm_repeat,
+            warmup_steps=warmup_steps, warm_repeat=warm_repeat, interleave=interleave,
             t1_on_device=t1_on_device, device=device, dtype=dtype,
             attentions=tuple(x.strip() for x in attention.split(",") if x.strip()),
             t1_attentions=tuple(x.strip() for x in t1_attention.split(",") if x.strip()),

@@ -130,6 +130,22 @@ def test_bench_cpu_json_schema(tmp_path):
     assert [r["ratio_to_full"] for r in rows if r["policy"] == "full" and not r["params"]] == [1.0, 1.0]
 
 
+def test_bench_interleaved_times_every_configuration_step_by_step(tmp_path):
+    out = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "24", "--new-tokens", "5",
+                              "--warmup-steps", "3", "--batch", "2", "--hbm-ratio", "0.3", "--repeats", "2",
+                              "--no-warm-repeat", "--interleave", "--recent-window", "4", "--retier-interval", "4",
+                              "--attention", "split,ordered", "--t1-attention", "host", "--device", "cpu",
+                              "--dtype", "fp32", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["results"]
+    assert [r["policy"] for r in rows] == ["stock_sdpa", "stock_static", "full", "full", "tiered", "tiered"]
+    for r in rows:
+        assert len(r["seconds_repeats"]) == 2 and r["ms_per_step_median"] > 0 and r["median_ratio_to_full"] > 0
+    assert [r["t1_mode"] for r in rows[4:]] == ["host", "stream"]
+    assert rows[4]["retiers"] >= 1
+
+
 def test_plan_matches_hand_computed_values():
     p = plan("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", batch=8, seq_len=32768, hbm_ratio=0.3, evict_ratio=0.03,
              pcie_gbps=50.0)
