@@ -21,6 +21,7 @@ from typing import Callable
 import torch
 
 from .models import load_model, resolve_device
+from .transfer import memcpy_peak_gbps
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,11 @@ class BenchConfig:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
+
+    @property
+    def warmup(self) -> int:
+        """Untimed decode steps per run: ``warmup_steps``, by default long enough for a first reassignment."""
+        return self.warmup_steps if self.warmup_steps is not None else self.retier_interval + 8
 
     def __post_init__(self) -> None:
         for name in ("context", "new_tokens", "repeats", "retier_interval"):
@@ -84,21 +90,6 @@ class BenchConfig:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def memcpy_peak_gbps(device: torch.device, mib: int = 256, reps: int = 5) -> float:
-    """Host->device copy bandwidth from pinned memory (CUDA), or host memcpy bandwidth (CPU), in GB/s."""
-    n = mib * (1 << 20)
-    src = torch.empty(n, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    dst = torch.empty(n, dtype=torch.uint8, device=device)
-    best = float("inf")
-    for _ in range(reps):
-        _sync(device)
-        t = time.perf_counter()
-        dst.copy_(src, non_blocking=device.type == "cuda")
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return n / best / 1e9
 
 
 def _modes(cfg: BenchConfig) -> list[dict]:
@@ -240,7 +231,7 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
 
     device = resolve_device(cfg.device)
     model, _ = load_model(cfg.model, device=str(device), dtype=cfg.dtype, seed=cfg.seed)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.retier_interval + 8
+    warmup = cfg.warmup
     peak = memcpy_peak_gbps(device)
     vocab = min(model.config.vocab_size, 256)
     g = torch.Generator().manual_seed(cfg.seed)

@@ -30,7 +30,7 @@ from .layer_base import KVTierLayer, ShapeGuardedCache, check_update, prompt_val
 from .layout import TAIL, Layout, build_layout, gather_rows
 from .planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
 from .quant import dequantize, int8_bytes_per_token, quantize
-from .transfer import TransferEngine
+from .transfer import TransferEngine, memcpy_peak_gbps
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class TierState:
             self.layer_device_bytes[layer_idx] = nbytes
         kv = sum(self.layer_device_bytes)
         self.peak_device_kv_bytes = max(self.peak_device_kv_bytes, kv)
-        self.peak_device_bytes = max(self.peak_device_bytes, kv + self.engine.device_bytes())
+        self.peak_device_bytes = max(self.peak_device_bytes, kv + self.engine.staging_bytes())
         self._seen_alloc = self.engine.allocations
 
     # ---- scores ------------------------------------------------------------------------------
@@ -310,7 +310,6 @@ class TierState:
             pos, occ = lay.tiers[x].slot_map(self.batch, trash)
             bias = mask_bias(occ)
             out[x] = (pos.to(self.device), bias.to(self.device))
-            out[("bias", x)] = out[x][1]
             if x in (T1, T2):
                 out[("host", x)] = (pos, bias)
         self._meta, self._meta_key = out, key
@@ -323,12 +322,12 @@ class TierState:
         key = (self.version, cap0, cap_t, self.cap)
         n_main = self.layout.n_main
         if self._tail_key != key:
-            pos0, _ = self.meta()[T0]
+            pos0, bias0 = self.meta()[T0]
             tail = n_main + torch.arange(cap_t, device=self.device)
             tail = torch.where(tail < self.cap, tail, self.cap).expand(self.batch, cap_t)
             self._tail_pos = torch.cat([pos0, tail], dim=1)
             closed = torch.full((self.batch, 1, 1, cap_t), float("-inf"), device=self.device)
-            self._tail_bias = torch.cat([self.meta()[("bias", T0)], closed], dim=3)
+            self._tail_bias = torch.cat([bias0, closed], dim=3)
             self._tail_filled = 0
             self._tail_key = key
         t = self.n_total - n_main
@@ -388,21 +387,9 @@ def measure_bandwidths(device: torch.device, dtype: torch.dtype, heads: int, hea
     small_k, small_v = k[:, :, :16].contiguous(), v[:, :, :16].contiguous()
     host_s = best(lambda: partial(q, k, v, bias, 0.1, True))
     small = best(lambda: partial(q, small_k, small_v, bias[..., :16], 0.1, True))
-    if device.type == "cuda":
-        src = torch.empty(nbytes * 4, dtype=torch.uint8, pin_memory=True)
-        dst = torch.empty_like(src, device=device)
-
-        def h2d():
-            dst.copy_(src, non_blocking=True)
-            torch.cuda.synchronize(device)
-
-        h2d_gbps = src.numel() / best(h2d) / 1e9
-        latency = small + 50e-6  # a D2H and an H2D of a few KiB, plus the thread hand-off
-    else:
-        src = torch.empty(nbytes, dtype=torch.uint8)
-        dst = torch.empty_like(src)
-        h2d_gbps = nbytes / best(lambda: dst.copy_(src)) / 1e9
-        latency = small
+    h2d_gbps = memcpy_peak_gbps(device, mib=16, reps=3)
+    # on CUDA a host job adds a D2H and an H2D of a few KiB and the thread hand-off
+    latency = small + (50e-6 if device.type == "cuda" else 0.0)
     return {"h2d_gbps": h2d_gbps, "host_attention_gbps": nbytes / host_s / 1e9, "host_latency_s": latency}
 
 
@@ -843,13 +830,7 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
     logical = int(valid.sum())
     st.engine.resolve_timings()
     c = st.engine.counters
-    dev_alloc = sum(
-        (x.numel() * x.element_size())
-        for layer in layers
-        if layer.is_initialized
-        for x in (layer.dev_k, layer.dev_v)
-        if x is not None
-    )
+    dev_alloc = sum(layer._device_bytes() for layer in layers if layer.is_initialized)
     host_alloc = sum(
         (x.numel() * x.element_size())
         for layer in layers

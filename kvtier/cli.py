@@ -496,7 +496,7 @@ def bench(
         from .models import peek_position_limit, resolve_dtype
 
         resolve_dtype(dtype, resolve_device(device))
-        total = cfg.context + (cfg.retier_interval + 8 if cfg.warmup_steps is None else cfg.warmup_steps) + cfg.new_tokens
+        total = cfg.context + cfg.warmup + cfg.new_tokens
         lim = peek_position_limit(cfg.model)
         if lim is not None and total > lim:
             raise ValueError(f"--context + --warmup-steps + --new-tokens = {total} does not fit {cfg.model}'s {lim} positions")

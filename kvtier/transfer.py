@@ -48,6 +48,26 @@ class _Slot:
         self.consumed = None  # CUDA event: compute finished reading
 
 
+def memcpy_peak_gbps(device: torch.device, mib: int = 256, reps: int = 5) -> float:
+    """Host->device copy bandwidth from pinned memory (CUDA), or host memcpy bandwidth (CPU), in GB/s: best of
+    ``reps`` copies of ``mib`` MiB."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    n = mib * (1 << 20)
+    src = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
+    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    best = float("inf")
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t = time.perf_counter()
+        dst.copy_(src, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t)
+    return n / best / 1e9
+
+
 class TransferEngine:
     """Copies between host and ``device`` with accounting and reusable buffers.
 
@@ -205,11 +225,8 @@ class TransferEngine:
             self.allocations += 1
         return self.work["k"], self.work["v"]
 
-    def device_bytes(self) -> int:
-        """Device memory held by staging slots and work buffers."""
-        return self.staging_bytes()
-
     def staging_bytes(self) -> int:
+        """Device memory held by staging slots and work buffers."""
         n = sum(b.numel() * b.element_size() for s in self.slots for b in s.buffers.values())
         return n + sum(b.numel() * b.element_size() for b in self.work.values())
 
