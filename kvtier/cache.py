@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import TierConfig
-from .decode_attention import mask_bias, merge, ordered, partial, weights
+from .decode_attention import add_weights, mask_bias, merge, ordered, partial
 from .host_attention import HostAttention, HostRegion, host_tiers_partial
 from .layer_base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
 from .layout import TAIL, Layout, build_layout, gather_rows
@@ -673,14 +673,14 @@ class TieredLayer(KVTierLayer):
             parts.append(hp)
         out, fs = merge(parts)
         for p, f, ps in zip(parts, fs, pos):
-            st.scores.scatter_add_(1, ps, (weights(p.e, f) * inv).to(SCORE_DTYPE))
+            add_weights(st.scores, ps, p.e, f, inv)
         if host_tiers:
             f_host = fs[-1]
             if job is not None:
                 st.host.post(self.layer_idx, host_state, f_host)
             else:
                 for p, c, ps in zip(*host_state):
-                    st.scores.scatter_add_(1, ps, (weights(p.e, c * f_host) * inv).to(SCORE_DTYPE))
+                    add_weights(st.scores, ps, p.e, c * f_host, inv)
         return out.to(query.dtype)
 
     def _host_regions(self, tiers: list[int], meta: dict, on_host: bool) -> list[HostRegion]:

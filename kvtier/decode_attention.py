@@ -101,6 +101,12 @@ def weights(e: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
     return torch.bmm(f.reshape(B, 1, H * g), e.reshape(B, H * g, C)).squeeze(1)
 
 
+def add_weights(scores: torch.Tensor, pos: torch.Tensor, e: torch.Tensor, f: torch.Tensor, scale: float) -> None:
+    """scores[b, pos[b, j]] += scale * weights(e, f)[b, j], in the accumulator's dtype: scores (B, N + 1),
+    pos (B, C) (empty columns point at the trash column), e (B, H, g, C), f (B, H, g, 1)."""
+    scores.scatter_add_(1, pos, (weights(e, f) * scale).to(scores.dtype))
+
+
 def ordered(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: softmax over every kept key gathered in position order.
@@ -116,4 +122,4 @@ def ordered(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return torch.matmul(p.to(v.dtype), v), p
 
 
-__all__ = ["EMPTY", "Partial", "mask_bias", "combine", "merge", "ordered", "partial", "weights"]
+__all__ = ["EMPTY", "Partial", "add_weights", "mask_bias", "combine", "merge", "ordered", "partial", "weights"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode_attention import Partial, combine, partial, weights
+from .decode_attention import Partial, add_weights, combine, partial
 from .quant import dequantize
 
 
@@ -154,7 +154,7 @@ class HostAttention:
         if event is not None:
             event.synchronize()
         for p, c, ps in zip(parts, cs, pos):
-            self.scores.scatter_add_(1, ps, (weights(p.e, c * f) * inv).to(self.scores.dtype))
+            add_weights(self.scores, ps, p.e, c * f, inv)
         self._pending[layer] = None
 
     def flush(self, inv: float) -> None:
