@@ -10,19 +10,25 @@ from .policies import POLICIES, get_policy
 __version__ = "0.1.0"
 
 
-def make_cache(policy: str, model, **params) -> KVTierCache:
+def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
     """Build a transformers ``Cache`` for ``policy`` and prepare ``model`` to use it.
 
     Args:
         policy: a name in :data:`POLICIES` (``"full"``, ``"tiered"``, ...).
         model: a transformers causal LM (Qwen2, Llama, Mistral, Qwen3-style decoders).
+        record_tiers: ``True`` keeps one int8 row of placements per reassignment (``cache.tier_history()``, for
+            :mod:`kvtier.tiermap` and ``kvtier generate --html``); a callable ``f(step, row)`` receives the rows
+            instead; ``False`` (default) records nothing.
         **params: the policy's parameters, e.g. ``hbm_ratio=0.3, evict_ratio=0.03``.
     Raises:
         ValueError: unknown policy or parameter, or a parameter out of range.
         NotImplementedError: the model's attention is not supported (sliding window, MLA).
     """
+    from .tiermap import attach_recorder, check_record_tiers
+
     cls = get_policy(policy)
     cls.check_params(params)
+    check_record_tiers(record_tiers)
     prepare_model(model)
     from .attention import num_cache_layers
 
@@ -30,6 +36,7 @@ def make_cache(policy: str, model, **params) -> KVTierCache:
 
     cache = cls.build(num_cache_layers(model), **params)
     cache.model_shape = model_shape(model.config)  # (layers, kv-heads, head_dim): checked at the first prefill
+    attach_recorder(cache, record_tiers)
     return cache
 
 

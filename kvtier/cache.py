@@ -82,11 +82,14 @@ class TierState:
         self.host_threaded = host_threaded
         self.host: HostAttention | None = None
         self.bandwidth: dict[str, float] | None = None
+        self.recorder = None  # a kvtier.tiermap.TierRecorder when make_cache(..., record_tiers=...) asked for one
         self.reset()
 
     def reset(self) -> None:
         if self.host is not None:
             self.host.close()
+        if self.recorder is not None:
+            self.recorder.reset()
         self.batch = None
         self.device = None
         self.n_heads = None
@@ -179,6 +182,8 @@ class TierState:
         if is_decode:
             if self.retier_enabled and self.since_retier >= self.cfg.retier_interval:
                 self.retier()
+            elif self.recorder is not None and not self.retier_enabled and self.recorder.due(self.decode_steps):
+                self.recorder.note(self.decode_steps, self.codes())
             self.since_retier += 1
             self.decode_steps += 1
         self._grow(self.n_total + q)
@@ -204,6 +209,14 @@ class TierState:
         self.valid[:, :q] = diag.cpu()
         self.padded = not bool(self.valid[:, :q].all())
         self._step_key = None
+
+    def codes(self) -> torch.Tensor:
+        """(B, n_total) int8: tier per logical position (the tail counts as T0), PAD for left padding."""
+        n = self.n_total
+        lt = self.loc_tier[:, :n].clone()
+        lt[lt == TAIL] = T0
+        lt[~self.valid[:, :n]] = PAD
+        return lt
 
     # ---- device memory -----------------------------------------------------------------------
     def note_device(self, layer_idx: int | None = None, nbytes: int = 0) -> None:
@@ -260,6 +273,8 @@ class TierState:
         was_host = self.host_attn
         self.layout = build_layout(tiers, self.valid[:, :n], self.loc_tier, self.loc_idx, self.layout)
         self.version += 1
+        if self.recorder is not None:
+            self.recorder.note(self.decode_steps, tiers)
         self.since_retier = 0
         for key, v in self.layout.changed.items():
             self.changed_total[key] = self.changed_total.get(key, 0) + v
@@ -776,11 +791,11 @@ class KVTierCache(ShapeGuardedCache):
         st = self.state
         if st.batch is None:
             return torch.zeros(0, 0, dtype=torch.int8)
-        n = st.n_total
-        lt = st.loc_tier[:, :n].clone()
-        lt[lt == TAIL] = T0
-        lt[~st.valid[:, :n]] = PAD
-        return lt
+        return st.codes()
+
+    def tier_history(self):
+        """The :class:`kvtier.tiermap.TierRecorder` of ``make_cache(..., record_tiers=True)``, else None."""
+        return self.state.recorder
 
     def kept_mask(self) -> torch.Tensor:
         """(L, B, H_kv, N) bool on the host: True where the position's K/V is still held (any tier) in that layer

@@ -130,9 +130,12 @@ class HeadwiseState:
         self.num_layers = num_layers
         self.protect_prompt = protect_prompt
         self.policy = policy
+        self.recorder = None  # a kvtier.tiermap.TierRecorder when make_cache(..., record_tiers=...) asked for one
         self.reset()
 
     def reset(self) -> None:
+        if self.recorder is not None:
+            self.recorder.reset()
         self.batch = None
         self.device = None
         self.n_total = 0
@@ -188,6 +191,26 @@ class HeadwiseState:
         self.prompt[:, :q] &= self.valid[:, :q]
         self.n_real = diag.sum(-1).cpu().long()  # one wait, at prefill
         self.n_prompt = self.n_real.clone()
+
+    def kept_mask(self) -> torch.Tensor:
+        """(L, B, H_kv, N) bool on the host (see :meth:`HeadwiseCache.kept_mask`)."""
+        if self.batch is None:
+            return torch.zeros(self.num_layers, 0, 0, 0, dtype=torch.bool)
+        out = torch.zeros(self.num_layers, self.batch, self.n_heads, self.n_total + 1, dtype=torch.bool)
+        for i, layer in enumerate(self.layers):
+            pos = layer.pos[:, :, : layer.S].cpu()
+            ok = layer.slot_valid().cpu()
+            idx = torch.where(ok, pos, torch.full_like(pos, self.n_total))  # dropped slots land in the spare column
+            out[i].scatter_(-1, idx, True)
+        return out[..., : self.n_total]
+
+    def record(self) -> None:
+        """After the last layer of a step: the share of (layer, kv-head) pairs holding each position, when due."""
+        rec = self.recorder
+        if rec is not None and rec.due(self.decode_steps):
+            from .tiermap import share_row
+
+            rec.note(self.decode_steps, share_row(self.kept_mask(), self.valid[:, : self.n_total]))
 
     def budgets(self) -> torch.Tensor:
         """(B,) long per-row budgets (the scorer decides what the budget covers)."""
@@ -302,6 +325,8 @@ class HeadwiseLayer(KVTierLayer):
         if st.scorer.should_compress(self, self.counts, limits):
             self.compress(budgets, limits, scaling)
             self.counts = torch.minimum(self.counts, limits)
+        if self.layer_idx == st.num_layers - 1:
+            st.record()
         return out.transpose(1, 2).contiguous(), None
 
     def _gather_state(self, table: torch.Tensor) -> torch.Tensor:
@@ -420,16 +445,11 @@ class HeadwiseCache(ShapeGuardedCache):
     def kept_mask(self) -> torch.Tensor:
         """(L, B, H_kv, N) bool on the host: True where the position's K/V is still held in that layer and
         kv-head. N = prompt + generated so far (padding included, never kept)."""
-        st = self.state
-        if st.batch is None:
-            return torch.zeros(st.num_layers, 0, 0, 0, dtype=torch.bool)
-        out = torch.zeros(st.num_layers, st.batch, st.n_heads, st.n_total + 1, dtype=torch.bool)
-        for i, layer in enumerate(self.layers):
-            pos = layer.pos[:, :, : layer.S].cpu()
-            ok = layer.slot_valid().cpu()
-            idx = torch.where(ok, pos, torch.full_like(pos, st.n_total))  # dropped slots land in the spare column
-            out[i].scatter_(-1, idx, True)
-        return out[..., : st.n_total]
+        return self.state.kept_mask()
+
+    def tier_history(self):
+        """The :class:`kvtier.tiermap.TierRecorder` of ``make_cache(..., record_tiers=True)``, else None."""
+        return self.state.recorder
 
     def row_budget(self, row: int) -> int | None:
         """What row ``row`` was allowed to keep at the last step: its budget, raised to its forced set."""
