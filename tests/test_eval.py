@@ -22,7 +22,7 @@ TINY = ["--model", "random:tiny-qwen2", "--dtype", "fp32", "--device", "cpu"]
 FIELDS = {
     "benchmark", "id", "sample", "config_key", "policy", "params", "model", "max_new_tokens", "temperature", "top_p",
     "seed", "completion", "extracted", "gold", "correct", "prompt_tokens", "generated_tokens", "tier_tokens",
-    "tier_bytes", "budget_tokens", "problem_hash", "key_inputs", "peak_device_kv_bytes", "peak_device_tokens", "streamed_bytes", "moved_bytes", "batch_size", "batch_seconds", "seconds",
+    "tier_bytes", "budget_tokens", "problem_hash", "key_inputs", "peak_device_kv_bytes", "peak_device_tokens", "streamed_bytes", "moved_bytes", "batch_size", "batch_seconds", "seconds", "tier_map",
 }
 
 
@@ -49,6 +49,15 @@ def test_eval_end_to_end_every_record_field(tmp_path, benchmark):
         assert set(r["tier_tokens"]) == {"T0", "T1", "T2", "T3"} and set(r["tier_bytes"]) == {"T0", "T1", "T2"}
         assert sum(r["tier_tokens"].values()) >= r["prompt_tokens"]
         assert r["seconds"] > 0
+        tm = r["tier_map"]  # the final tier of every prompt and completion token, and where each token ends
+        assert tm["kind"] == "tiers" and len(tm["prompt"]) == r["prompt_tokens"]
+        assert len(tm["completion"]) == len(tm["ends"]) == r["generated_tokens"]
+        assert tm["ends"][-1] == len(r["completion"]) and tm["ends"] == sorted(tm["ends"])
+        if r["generated_tokens"] == 12:
+            # the 12th token was sampled last, never fed back ('.'); the rest of the row is exactly the cache's row
+            codes = tm["prompt"] + tm["completion"]
+            assert tm["completion"].endswith(".") and "." not in codes[:-1]
+            assert {f"T{t}": codes.count(str(t)) for t in range(4)} == r["tier_tokens"]
     if benchmark == "arc_challenge":
         assert all(r["gold"] in "ABCDE" for r in recs)
     assert (out / "summary.md").is_file()
@@ -148,7 +157,9 @@ def test_demo_table_on_a_tiny_model(tmp_path):
 
     recs = _records(tmp_path / "demo")
     assert len(recs) == 2 * len(DEMO_CONFIGS)
-    assert "tiered (hbm 0.3, evict 0.03)" in res.output and "same text / answer as full" in res.output
+    assert "tiered (hbm 0.3, evict 0.03, protect_prompt False" in res.output and "same text / answer as full" in res.output
+    assert (tmp_path / "demo" / "report.html").is_file() and "report.html" in res.output
+    assert all("tier_map" in r for r in recs)
 
 
 def test_sweep_from_a_config_file(tmp_path):
@@ -211,3 +222,19 @@ def test_sweep_bad_comparison_flags(tmp_path, args, message):
                               "--out", str(tmp_path / "x"), *args])
     assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output
     assert not (tmp_path / "x" / "records.jsonl").exists()
+
+
+def test_reasoning_gym_task_options():
+    from kvtier.eval.datasets import DataError, load_problems, parse_rg
+
+    assert parse_rg("chain_sum?min_terms=3&max_digits=2&allow_negation=true&x=a") == (
+        "chain_sum", {"min_terms": 3, "max_digits": 2, "allow_negation": True, "x": "a"})
+    easy = load_problems("rg:chain_sum?min_terms=2&max_terms=2&max_digits=1", limit=5)
+    # two one-digit terms: "a op b =" with single digits only
+    assert all(len([t for t in p.question.split(":")[-1].split() if t.isdigit()]) == 2 for p in easy)
+    assert all(len(t) == 1 for p in easy for t in p.question.split(":")[-1].split() if t.isdigit())
+    assert easy.fingerprint != load_problems("rg:chain_sum", limit=5).fingerprint
+    with pytest.raises(DataError, match="cannot build task 'chain_sum'"):
+        load_problems("rg:chain_sum?bogus=1", limit=1)
+    with pytest.raises(DataError, match="key=value"):
+        load_problems("rg:chain_sum?min_terms", limit=1)

@@ -184,8 +184,10 @@ def _fmt(x, pct=False):
     return str(x)
 
 
-def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
-    """Write summary.md, summary.csv, summary.json and PNG plots; returns their paths."""
+def write_report(run_dir: str | Path, out_dir: str | Path | None = None, html: bool = False,
+                 html_problems: int = 40) -> dict[str, Path]:
+    """Write summary.md, summary.csv, summary.json and PNG plots (and, with ``html``, report.html showing
+    ``html_problems`` problems per benchmark side by side); returns their paths."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ValueError(f"{run_dir} is not a run folder (a directory written by kvtier eval or sweep)")
@@ -230,6 +232,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None) -> dict
                          f"{h['cochran_q']:.3g} | {h['p_value']:.3g} | {'yes' if h['identical_outputs'] else 'no'} |")
     paths["md"].write_text("\n".join(lines) + "\n")
     paths.update(plot_all(rows, out))
+    if html:
+        from .report_html import write_html_report
+
+        plots = {k: p for k, p in paths.items() if p.suffix == ".png"}
+        paths["html"] = write_html_report(run_dir, out, s, records, plots, max_problems=html_problems)
     return paths
 
 

@@ -268,6 +268,7 @@ def _as_set(ids) -> set[int]:
 
 def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dict) -> list[dict]:
     import kvtier
+    from ..tiermap import cache_codes, compact, sequence_map, token_pieces
 
     prompts = [build_prompt(tok, c.benchmark, p) for _, _, p, _, _ in batch]
     enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
@@ -289,11 +290,15 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
     plen = enc.input_ids.shape[1]
     eos = _as_set(tok.eos_token_id) | _as_set(getattr(model.generation_config, "eos_token_id", None))
     stats = cache.stats()
+    codes = cache_codes(cache)
     recs = []
     for row, (cfg, _, p, s, ph) in enumerate(batch):
         ids = out[row, plen:].tolist()
         n_gen = next((j + 1 for j, x in enumerate(ids) if x in eos or x == tok.pad_token_id), len(ids))
         text = tok.decode(ids[:n_gen], skip_special_tokens=True)
+        n_prompt = int(enc.attention_mask[row].sum())
+        pieces = [""] * n_prompt + token_pieces(tok, ids[:n_gen], text)
+        tmap = sequence_map(cache, row, plen - n_prompt, n_prompt + n_gen, pieces, n_prompt, details=False, codes=codes)
         recs.append({
             "benchmark": cfg.benchmark,
             "id": p.id,
@@ -312,8 +317,9 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
             "extracted": extract_answer(cfg.benchmark, text),
             "gold": p.gold,
             "correct": bool(grade(cfg.benchmark, text, p.gold)),
-            "prompt_tokens": int(enc.attention_mask[row].sum()),
+            "prompt_tokens": n_prompt,
             "generated_tokens": n_gen,
+            "tier_map": compact(tmap, n_prompt),
             **_row_stats(cache, row),
             "peak_device_kv_bytes": stats.get("peak_device_kv_bytes"),
             "peak_device_tokens": stats.get("peak_device_tokens"),
