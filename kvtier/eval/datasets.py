@@ -140,18 +140,44 @@ def _from_hub(name: str) -> list[dict]:
     return rows
 
 
-def _reasoning_gym(task: str, limit: int | None, seed: int) -> list[Problem]:
+def _rg_value(v: str):
+    low = v.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    for cast in (int, float):
+        try:
+            return cast(v)
+        except ValueError:
+            pass
+    return v
+
+
+def parse_rg(spec: str) -> tuple[str, dict]:
+    """``chain_sum?min_terms=2&max_digits=2`` -> ("chain_sum", {"min_terms": 2, "max_digits": 2}): a
+    reasoning-gym task and its config fields (numbers, true/false, text)."""
+    task, _, query = spec.partition("?")
+    cfg = {}
+    for part in filter(None, query.split("&")):
+        k, eq, v = part.partition("=")
+        if not eq or not k:
+            raise DataError(f"rg:{spec}: task options are key=value pairs joined by '&', got {part!r}")
+        cfg[k] = _rg_value(v)
+    return task, cfg
+
+
+def _reasoning_gym(spec: str, limit: int | None, seed: int) -> list[Problem]:
     try:
         import reasoning_gym
     except ImportError:
         raise DataError("rg:<task> needs reasoning-gym: pip install 'kvtier[eval]'") from None
+    task, cfg = parse_rg(spec)
     size = limit or 100
     try:
-        ds = reasoning_gym.create_dataset(task, size=size, seed=seed)
+        ds = reasoning_gym.create_dataset(task, size=size, seed=seed, **cfg)
     except Exception as e:
-        raise DataError(f"reasoning-gym has no task {task!r} ({e})") from None
-    out = ProblemSet(Problem(f"rg-{task}-{seed}-{i}", x["question"], str(x["answer"])) for i, x in enumerate(ds))
-    out.fingerprint = f"rg:{task}:seed{seed}"
+        raise DataError(f"reasoning-gym cannot build task {task!r} with options {cfg} ({type(e).__name__}: {e})") from None
+    out = ProblemSet(Problem(f"rg-{spec}-{seed}-{i}", x["question"], str(x["answer"])) for i, x in enumerate(ds))
+    out.fingerprint = f"rg:{spec}:seed{seed}"
     return out
 
 
