@@ -1,4 +1,5 @@
-"""The offline demo (``make demo``): the embedded model on fresh reasoning-gym problems, three caches, one table."""
+"""The offline demo (``make demo``): the embedded model on fresh reasoning-gym problems, three caches, one table
+and one HTML report."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ from ..models import EMBEDDED_NAME
 from .records import dedupe
 from .runner import EvalConfig, read_records, run_eval
 
+# The authors' setting for the eviction comparison: the prompt is not protected, and a short recent window, so
+# that on demo-length chains (a few hundred tokens) the ratios act on most of the sequence, the question included.
+# Chosen by benchmarks/demo_task_search.py (results/demo_search_2026-12-01): the task the embedded model solves
+# most often among those searched, where the answer needs numbers from the prompt (eviction destroys them).
+DEMO_BENCHMARK = "rg:chain_sum?min_terms=3&max_terms=4&max_digits=2"
+DEMO_SHARED = {"protect_prompt": False, "recent_window": 32}
 DEMO_CONFIGS = [
     ("full", {}),
-    ("tiered", {"hbm_ratio": 0.3, "evict_ratio": 0.03}),
-    ("evict", {"evict_ratio": 0.5}),
+    ("tiered", {"hbm_ratio": 0.3, "evict_ratio": 0.03, **DEMO_SHARED}),
+    ("evict", {"evict_ratio": 0.5, **DEMO_SHARED}),
 ]
 
 
-def run_demo(model: str = EMBEDDED_NAME, problems: int = 8, max_new_tokens: int = 384, batch_size: int = 8,
+def run_demo(model: str = EMBEDDED_NAME, problems: int = 16, max_new_tokens: int = 256, batch_size: int = 16,
              out: str | Path = "runs/demo", device: str = "auto", dtype: str = "auto",
              on_progress: Callable[[dict], None] | None = None, loaded=None,
-             benchmark: str = "rg:gsm_symbolic") -> list[dict]:
+             benchmark: str = DEMO_BENCHMARK) -> list[dict]:
     cfgs = [EvalConfig(model=model, benchmark=benchmark, policy=p, params=dict(q), limit=problems,
                        max_new_tokens=max_new_tokens) for p, q in DEMO_CONFIGS]
     keys = run_eval(cfgs, out, batch_size=batch_size, device=device, dtype=dtype, on_progress=on_progress, loaded=loaded)
