@@ -211,7 +211,8 @@ def generate(
         with torch.no_grad():
             out = m.generate(**enc, cache=cache, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         plen = enc.input_ids.shape[1]
-        console.print(tok.decode(out[0, plen:], skip_special_tokens=True))
+        # the model's text verbatim: rich would read "\[" and "[b]" in it as markup
+        console.print(tok.decode(out[0, plen:], skip_special_tokens=True), markup=False, highlight=False)
         console.print_json(json.dumps(cache.stats()))
         if html or png:
             from . import viz
@@ -532,7 +533,7 @@ def demo(
                             loaded=lambda: kvtier.load_model(model, device=device, dtype=dtype), benchmark=bench)
         t = Table(title=f"kvtier demo: {model}, {problems} {bench} problems, greedy, {max_new_tokens} new tokens max; "
                         "tiered and evict: prompt unprotected, recent window 32")
-        for col in ("policy", "accuracy", "gen tokens", "device KV MiB (vs full)", "moved MiB", "streamed MiB", "tok/s",
+        for col in ("policy", "accuracy", "gen tokens", "peak device KV MiB (vs full)", "moved MiB", "streamed MiB", "tok/s",
                     "same text / answer as full"):
             t.add_column(col)
         for r in rows:

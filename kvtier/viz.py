@@ -202,7 +202,7 @@ def write_png(m: TokenTiers, path: str | Path, cols: int = 110, title: str = "")
                 col += len(chunk)
     n_lines = line + 1
     strip_rows = len(m.history) + 1
-    char_w, line_h = 0.075, 0.19  # inches
+    char_w, line_h = 0.602 * 8 / 72, 0.19  # inches: DejaVu Sans Mono advances 0.602 em at 8 pt
     fig_w = cols * char_w + 0.6
     text_h, strip_h = n_lines * line_h, max(0.6, 0.08 * strip_rows + 0.4)
     fig_w += 0.4  # room for the strip's row labels

@@ -8,6 +8,7 @@ from typing import Callable
 
 from ..models import EMBEDDED_NAME
 from .records import dedupe
+from .report import device_kv_bytes
 from .runner import EvalConfig, read_records, run_eval
 
 # The authors' setting for the eviction comparison: the prompt is not protected, and a short recent window, so
@@ -41,8 +42,10 @@ def demo_table(records: list[dict], cfgs: list[EvalConfig], keys: list[str]) -> 
         recs = by_key[k]
         gen = sum(r["generated_tokens"] for r in recs)
         secs = sum(r["seconds"] for r in recs)
-        peak = sum((r["peak_device_kv_bytes"] or 0) / r["batch_size"] for r in recs)
-        full_peak = sum((r["peak_device_kv_bytes"] or 0) / r["batch_size"] for r in full.values())
+        # resident KV at each batch's peak, per sequence (as the report counts it), not the buffers' capacity:
+        # each cache grows its buffers in its own granules
+        peak = sum(device_kv_bytes(r) for r in recs)
+        full_peak = sum(device_kv_bytes(r) for r in full.values())
         same = sum(r["completion"] == full[r["id"]]["completion"] for r in recs if r["id"] in full)
         same_ans = sum(r["extracted"] == full[r["id"]]["extracted"] for r in recs if r["id"] in full)
         rows.append({

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -14,7 +15,7 @@ _GEN_KEYS = ("benchmark", "model", "max_new_tokens", "temperature", "top_p", "se
 _IDENTITY_KEYS = ("model_fingerprint", "dtype", "device")
 
 
-def _device_tokens(r: dict) -> float:
+def device_tokens(r: dict) -> float:
     """Device KV tokens of one sequence at its batch's peak (``peak_device_tokens`` / batch size); records written
     before the peak was recorded give the end state (T0)."""
     peak = r.get("peak_device_tokens")
@@ -23,10 +24,12 @@ def _device_tokens(r: dict) -> float:
     return r["tier_tokens"]["T0"]
 
 
-def _bpt(r: dict) -> float:
-    """KV bytes per device token of the record's model (from its own tier bytes)."""
+def device_kv_bytes(r: dict) -> float:
+    """Device KV bytes of one sequence at its batch's peak: :func:`device_tokens` x the model's KV bytes per token
+    (from the record's own tier bytes). Compares policies by what they keep resident, not by how each cache
+    sizes its buffers."""
     t = r["tier_tokens"]["T0"]
-    return r["tier_bytes"]["T0"] / t if t else 0.0
+    return device_tokens(r) * (r["tier_bytes"]["T0"] / t if t else 0.0)
 
 
 def _base(r: dict) -> tuple:
@@ -115,7 +118,7 @@ def summarize(records: list[dict]) -> dict:
             "hbm_ratio": params.get("hbm_ratio"),
             # device tokens per sequence at the batch's peak (older records: at the end), and (baselines) what the
             # budget allowed
-            "mean_device_tokens": sum(_device_tokens(r) for r in recs) / n,
+            "mean_device_tokens": sum(device_tokens(r) for r in recs) / n,
             "mean_budget_tokens": (sum(r["budget_tokens"] for r in recs) / n
                                    if all(r.get("budget_tokens") is not None for r in recs) else None),
             "n": n,
@@ -124,7 +127,7 @@ def summarize(records: list[dict]) -> dict:
             "ci_low": lo,
             "ci_high": hi,
             "mean_generated_tokens": sum(r["generated_tokens"] for r in recs) / n,
-            "mean_device_kv_bytes": sum(_device_tokens(r) * _bpt(r) for r in recs) / n,
+            "mean_device_kv_bytes": sum(device_kv_bytes(r) for r in recs) / n,
             "mean_evicted_fraction": sum(r["tier_tokens"]["T3"] / max(1, sum(r["tier_tokens"].values())) for r in recs) / n,
             "seconds": sum(r["seconds"] for r in recs),
         }
@@ -142,8 +145,8 @@ def summarize(records: list[dict]) -> dict:
                     retention=(sum(x["correct"] for _, x in pairs) / len(pairs)) / fa if fa else None,
                     mcnemar_p=mcnemar_exact(b, c),
                     identical_to_full=sum(a["completion"] == x["completion"] for a, x in pairs) / len(pairs),
-                    device_kv_vs_full=(sum(_device_tokens(x) * _bpt(x) for _, x in pairs)
-                                       / max(1, sum(_device_tokens(a) * _bpt(a) for a, _ in pairs))),
+                    device_kv_vs_full=(sum(device_kv_bytes(x) for _, x in pairs)
+                                       / max(1, sum(device_kv_bytes(a) for a, _ in pairs))),
                 )
         rows.append(row)
     rows.sort(key=lambda x: (x["benchmark"], x["policy"] != "full", x["policy"], x["evict_ratio"] or 0, x["hbm_ratio"] or 0))
@@ -268,10 +271,10 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
             label = pol if h_min is None else f"{pol} (hbm {h_min})"
             ax.errorbar([x + 0.004 * (i - 3) for x in xs], ys, yerr=err, label=label, **style)
         ax.set(xlabel="eviction ratio (fraction of tokens destroyed)", ylabel="accuracy (%), 95% Wilson interval",
-               title=f"{bench}: accuracy vs eviction ratio")
+               title=f"{_short_name(bench)}: accuracy vs eviction ratio")
         ax.grid(alpha=0.3)
         ax.legend()
-        paths[f"{bench}_eviction"] = _save(fig, out / f"{bench}_accuracy_vs_eviction.png")
+        paths[f"{bench}_eviction"] = _save(fig, out / f"{_safe(bench)}_accuracy_vs_eviction.png")
         # 2. tiered HBM x eviction heatmap
         tr = [r for r in br if r["policy"] == "tiered" and r["hbm_ratio"] is not None and r["evict_ratio"] is not None]
         if tr:
@@ -287,9 +290,9 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
                     cell = grid[i][j]
                     ax.text(j, i, "–" if cell != cell else f"{cell:.1f}", ha="center", va="center",
                             color="w" if cell == cell else "k")
-            ax.set(xlabel="HBM ratio (T0)", ylabel="eviction ratio (T3)", title=f"{bench}: tiered accuracy (%)")
+            ax.set(xlabel="HBM ratio (T0)", ylabel="eviction ratio (T3)", title=f"{_short_name(bench)}: tiered accuracy (%)")
             fig.colorbar(im, ax=ax)
-            paths[f"{bench}_heatmap"] = _save(fig, out / f"{bench}_hbm_evict_heatmap.png")
+            paths[f"{bench}_heatmap"] = _save(fig, out / f"{_safe(bench)}_hbm_evict_heatmap.png")
         # 3. device KV memory vs accuracy, every policy and comparison on one figure
         fig, ax = plt.subplots(figsize=(7.2, 4.6))
         rel = all(r.get("device_kv_vs_full") is not None for r in br)
@@ -305,10 +308,10 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
                 if tag:
                     ax.annotate(tag, (x, y), textcoords="offset points", xytext=(4, 3), fontsize=7)
         ax.set(xlabel="peak device KV, % of full" if rel else "peak device KV per sequence (MiB)",
-               ylabel="accuracy (%), 95% Wilson interval", title=f"{bench}: device memory vs accuracy")
+               ylabel="accuracy (%), 95% Wilson interval", title=f"{_short_name(bench)}: device memory vs accuracy")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-        paths[f"{bench}_memory"] = _save(fig, out / f"{bench}_memory_vs_accuracy.png")
+        paths[f"{bench}_memory"] = _save(fig, out / f"{_safe(bench)}_memory_vs_accuracy.png")
     return paths
 
 
@@ -324,6 +327,16 @@ def _short(r: dict) -> str:
     if r["evict_ratio"] is not None:
         return f"e{r['evict_ratio']:g}" + (f"/h{r['hbm_ratio']:g}" if r.get("hbm_ratio") is not None else "")
     return ""
+
+
+def _safe(bench: str) -> str:
+    """A benchmark name as part of a file name (reasoning-gym options hold ?, & and =)."""
+    return re.sub(r"[^A-Za-z0-9_.:+-]+", "_", bench)
+
+
+def _short_name(bench: str) -> str:
+    """Plot titles: a reasoning-gym task without its options (they are in the file name and the table)."""
+    return bench.split("?")[0] + (" (options)" if "?" in bench else "")
 
 
 def _save(fig, path: Path) -> Path:

@@ -154,14 +154,16 @@ def problems_section(records: list[dict], rows: list[dict], max_problems: int) -
     for r in records:
         by_problem[(r["benchmark"], r["model"], r["id"], r.get("sample", 0))].append(r)
     out, shown = [], defaultdict(int)
-    for (bench, _, pid, sample), recs in sorted(by_problem.items(), key=lambda kv: (kv[0][0], kv[0][1], str(kv[0][2]), kv[0][3])):
+    # benchmarks in name order, problems in the order they were recorded (the benchmark's own order)
+    for (bench, _, pid, sample), recs in sorted(by_problem.items(), key=lambda kv: (kv[0][0], kv[0][1])):
         if shown[bench] >= max_problems:
             continue
         shown[bench] += 1
         recs.sort(key=lambda r: (r["policy"] != "full", order.get(r["config_key"], 1 << 30)))
         full = recs[0] if recs[0]["policy"] == "full" else None
         n_ok = sum(bool(r.get("correct")) for r in recs)
-        label = f"{bench} · problem {pid}" + (f" · sample {sample}" if sample else "")
+        short = pid.removeprefix(f"rg-{bench[3:]}-") if bench.startswith("rg:") else pid
+        label = f"{bench} · problem {short}" + (f" · sample {sample}" if sample else "")
         opened = " open" if shown[bench] == 1 else ""  # the first problem of each benchmark shows at once
         out.append(f"<details{opened}><summary>{html.escape(label)} — gold {html.escape(str(recs[0].get('gold')))} · "
                    f"{n_ok}/{len(recs)} configurations correct</summary><div class=cols>"
