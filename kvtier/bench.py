@@ -22,6 +22,7 @@ import torch
 
 from .models import load_model, resolve_device
 from .transfer import memcpy_peak_gbps
+from .compat import cache_kw
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ class _Run:
         self.cache = make()
         self.is_kvtier = isinstance(self.cache, kvtier.KVTierCache)
         with torch.no_grad():
-            out = model(input_ids=ids, cache=self.cache, use_cache=True)
+            out = model(input_ids=ids, **cache_kw(model, self.cache), use_cache=True)
         self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
         self.steps: list[float] = []
         self.before = None
@@ -154,7 +155,7 @@ class _Run:
         _sync(self.device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            self.tok = self.model(input_ids=self.tok, cache=self.cache, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            self.tok = self.model(input_ids=self.tok, **cache_kw(self.model, self.cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         _sync(self.device)
         if timed:
             self.steps.append(time.perf_counter() - t0)

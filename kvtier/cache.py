@@ -463,7 +463,7 @@ class TieredLayer(KVTierLayer):
         elif not st.retier_enabled:
             self._append(key_states, value_states)
         # else: a prompt is stored after its attention, straight into the tiers of the prefill placement
-        self.expose(kwargs)
+        self.expose(kwargs, key_states)
         return key_states, value_states
 
     # ---- storage -----------------------------------------------------------------------------

@@ -269,7 +269,7 @@ class HeadwiseLayer(KVTierLayer):
         for t in self.slots.values():
             t[:, :, self.S : self.S + q] = 0
         self.S += q
-        self.expose(kwargs)
+        self.expose(kwargs, key_states)
         return key_states, value_states
 
     def _resize(self, cap: int) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .compat import hand_over
+
 
 def check_update(batch: int | None, n_total: int, keys: torch.Tensor) -> None:
     """Refuse a different batch or a second prompt: a kvtier cache holds one generation (``cache.reset()``)."""
@@ -79,15 +81,17 @@ class KVTierLayer(CacheLayerMixin):
 
     is_sliding = False
 
-    def expose(self, update_kwargs: dict) -> None:
-        """Hand this layer to the registered attention.
+    def expose(self, update_kwargs: dict, key: torch.Tensor) -> None:
+        """Hand this layer to the registered attention, which runs next with the ``key`` returned by ``update``.
 
-        transformers passes the attention kwargs to ``cache.update(..., kwargs=kwargs)`` and then unpacks the same
-        dict into the attention function: the ``"kvtier"`` attention finds its layer there.
+        From transformers 5.24 the attention kwargs are passed to ``cache.update(..., kwargs=kwargs)`` and then
+        unpacked into the attention function, which finds its layer there; older releases pass nothing, and
+        :func:`kvtier.compat.hand_over` carries the layer with the key tensor instead.
         """
         attn_kwargs = update_kwargs.get("kwargs")
         if isinstance(attn_kwargs, dict):
             attn_kwargs["kvtier_layer"] = self
+        hand_over(self, key)
 
     def check_model(self, module, key: torch.Tensor) -> None:
         """At prefill (layer 0): the attention's model must have this cache's layer count and K/V shape."""
@@ -111,6 +115,9 @@ class KVTierLayer(CacheLayerMixin):
 
     def get_max_length(self) -> int:
         return -1
+
+    def get_max_cache_shape(self) -> int:  # the same, under its name before transformers 5.13 (kvtier.compat)
+        return self.get_max_length()
 
     def reset(self) -> None:
         self._clear()

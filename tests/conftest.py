@@ -13,6 +13,7 @@ settings.load_profile("kvtier")
 
 import kvtier
 from kvtier.models import random_model
+from kvtier.compat import cache_kw
 
 def _find_data_dir() -> Path:
     """The shared benchmark data (never copied into the repo): $KVTIER_DATA_DIR, else a `shared/data` beside
@@ -54,7 +55,7 @@ def generate(model, policy, ids, new_tokens=64, attention_mask=None, **params):
     out = model.generate(
         ids,
         attention_mask=attention_mask,
-        cache=cache,
+        **cache_kw(model, cache),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
@@ -69,12 +70,12 @@ def decode_loop(model, cache, ids, steps, on_step=None, attention_mask=None):
     """Manual greedy decoding (one forward per token) so tests can look at the cache between steps."""
     mask = torch.ones_like(ids) if attention_mask is None else attention_mask
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), use_cache=True)
         logits = [out.logits[:, -1]]
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         for s in range(steps):
             mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
-            out = model(input_ids=tok, attention_mask=mask, cache=cache, use_cache=True)
+            out = model(input_ids=tok, attention_mask=mask, **cache_kw(model, cache), use_cache=True)
             logits.append(out.logits[:, -1])
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             if on_step is not None:
@@ -88,9 +89,9 @@ def forced_logits(model, cache, seq, prompt_len):
     Both caches see the same tokens, so logit differences measure the cache alone, not a diverged text.
     """
     with torch.no_grad():
-        out = model(input_ids=seq[:, :prompt_len], attention_mask=torch.ones_like(seq[:, :prompt_len]), cache=cache)
+        out = model(input_ids=seq[:, :prompt_len], attention_mask=torch.ones_like(seq[:, :prompt_len]), **cache_kw(model, cache))
         logits = [out.logits[:, -1]]
         for i in range(prompt_len, seq.shape[1]):
-            out = model(input_ids=seq[:, i : i + 1], attention_mask=torch.ones_like(seq[:, : i + 1]), cache=cache)
+            out = model(input_ids=seq[:, i : i + 1], attention_mask=torch.ones_like(seq[:, : i + 1]), **cache_kw(model, cache))
             logits.append(out.logits[:, -1])
     return torch.stack(logits)

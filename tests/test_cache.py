@@ -10,6 +10,7 @@ from conftest import decode_loop, generate, prompt_ids
 from kvtier.config import budget
 from kvtier.layout import TAIL
 from kvtier.planner import T0, T1, T2, T3
+from kvtier.compat import cache_kw
 
 PARAMS = dict(hbm_ratio=0.3, quant_ratio=0.1, evict_ratio=0.1, retier_interval=8, recent_window=8, sink_tokens=2)
 
@@ -126,10 +127,10 @@ def test_reuse_refused_then_reset_works(qwen2):
     seq, _, cache = generate(qwen2, "tiered", ids, new_tokens=20, **PARAMS)
     other = prompt_ids(length=30, seed=8)
     with pytest.raises(ValueError, match="reset"):
-        qwen2.generate(other, attention_mask=torch.ones_like(other), cache=cache, max_new_tokens=5, pad_token_id=0)
+        qwen2.generate(other, attention_mask=torch.ones_like(other), **cache_kw(qwen2, cache), max_new_tokens=5, pad_token_id=0)
     cache.reset()
     assert cache.stats()["tokens"]["T0"] == 0
-    out = qwen2.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=20, min_new_tokens=20,
+    out = qwen2.generate(ids, attention_mask=torch.ones_like(ids), **cache_kw(qwen2, cache), max_new_tokens=20, min_new_tokens=20,
                          do_sample=False, pad_token_id=0)
     assert torch.equal(out, seq)
 
@@ -196,7 +197,7 @@ def test_prepared_model_still_runs_without_kvtier_cache(qwen2):
 
     kvtier.make_cache("full", qwen2)
     ids = prompt_ids(length=10)
-    a = qwen2.generate(ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=qwen2.config),
+    a = qwen2.generate(ids, attention_mask=torch.ones_like(ids), **cache_kw(qwen2, DynamicCache(config=qwen2.config)),
                        max_new_tokens=10, do_sample=False, pad_token_id=0)
     b, _, _ = generate(qwen2, "full", ids, new_tokens=10)
     assert torch.equal(a, b)

@@ -10,6 +10,7 @@ import torch
 import kvtier
 from kvtier import models
 from kvtier.models import ModelLoadError
+from kvtier.compat import cache_kw
 
 
 @pytest.mark.parametrize("name", ["random:tiny-qwen2", "random:tiny-llama"])
@@ -18,7 +19,7 @@ def test_random_presets_generate_with_tiered_cache(name):
     enc = tok(["The answer is", "2 + 2 ="], return_tensors="pt", padding=True)
     assert tok.padding_side == "left"
     cache = kvtier.make_cache("tiered", model, hbm_ratio=0.3, evict_ratio=0.1, retier_interval=8, recent_window=8)
-    out = model.generate(**enc, cache=cache, max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
+    out = model.generate(**enc, **cache_kw(model, cache), max_new_tokens=40, do_sample=False, pad_token_id=tok.pad_token_id)
     assert out.shape == (2, enc.input_ids.shape[1] + 40)
     assert cache.stats()["retiers"] >= 4
 
@@ -110,7 +111,7 @@ def test_embedded_model_loads_verifies_and_generates(tmp_path_factory, monkeypat
 
     def run():
         cache = kvtier.make_cache("tiered", model, hbm_ratio=0.3, evict_ratio=0.03, retier_interval=8, recent_window=8)
-        out = model.generate(**enc, cache=cache, max_new_tokens=32, do_sample=False)
+        out = model.generate(**enc, **cache_kw(model, cache), max_new_tokens=32, do_sample=False)
         return tok.decode(out[0, enc.input_ids.shape[1]:], skip_special_tokens=True)
 
     text = run()

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 import kvtier
 from conftest import forced_logits, generate, prompt_ids
+from kvtier.compat import cache_kw
 
 
 @pytest.mark.parametrize("model_name", ["qwen2", "llama"])
@@ -53,7 +54,7 @@ def test_full_matches_stock_transformers(qwen2, impl):
     _, logits, _ = generate(qwen2, "full", ids, new_tokens=48)
     qwen2.set_attn_implementation(impl)
     out = qwen2.generate(
-        ids, attention_mask=torch.ones_like(ids), cache=DynamicCache(config=qwen2.config), max_new_tokens=48,
+        ids, attention_mask=torch.ones_like(ids), **cache_kw(qwen2, DynamicCache(config=qwen2.config)), max_new_tokens=48,
         min_new_tokens=48, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
     )
     stock = torch.stack(out.logits)
@@ -96,7 +97,7 @@ def test_full_matches_stock_with_left_padding(qwen2):
     _, logits, _ = generate(qwen2, "full", ids, new_tokens=40, attention_mask=mask)
     qwen2.set_attn_implementation("sdpa")
     out = qwen2.generate(
-        ids, attention_mask=mask, cache=DynamicCache(config=qwen2.config), max_new_tokens=40, min_new_tokens=40,
+        ids, attention_mask=mask, **cache_kw(qwen2, DynamicCache(config=qwen2.config)), max_new_tokens=40, min_new_tokens=40,
         do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
     )
     assert (logits - torch.stack(out.logits)).abs().max().item() <= 1e-4

@@ -19,6 +19,7 @@ import kvtier
 from conftest import DATA_DIR, prompt_ids
 from kvtier.cli import app
 from kvtier.models import preset_config
+from kvtier.compat import cache_kw
 
 pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="shared benchmark data not found next to the repo")
 runner = CliRunner()
@@ -348,7 +349,7 @@ def test_a_cache_refuses_a_model_of_another_shape(policy, made_for, used_on, nee
     cache = kvtier.make_cache(policy, a, **params)
     kvtier.prepare_model(b)
     with pytest.raises(ValueError) as e:
-        b.generate(prompt_ids(length=8), cache=cache, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        b.generate(prompt_ids(length=8), **cache_kw(b, cache), max_new_tokens=3, do_sample=False, pad_token_id=0)
     for n in needles:
         assert n in str(e.value)
 
@@ -360,16 +361,16 @@ def test_right_padding_is_refused(qwen2, policy):
     mask[0, -3:] = 0
     cache = kvtier.make_cache(policy, qwen2, **({"budget_ratio": 0.5} if policy == "h2o" else {}))
     with pytest.raises(ValueError, match="right padding is not supported.*padding_side = 'left'"):
-        qwen2.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        qwen2.generate(ids, attention_mask=mask, **cache_kw(qwen2, cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
 @pytest.mark.parametrize("policy", ["tiered", "h2o"])
 @pytest.mark.parametrize("second", [1, 3])
 def test_reuse_with_another_batch_size_is_a_value_error(qwen2, policy, second):
     cache = kvtier.make_cache(policy, qwen2, **({"budget_ratio": 0.5} if policy == "h2o" else {}))
-    qwen2.generate(prompt_ids(batch=2, length=8), cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    qwen2.generate(prompt_ids(batch=2, length=8), **cache_kw(qwen2, cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
     with pytest.raises(ValueError, match="cache.reset"):
-        qwen2.generate(prompt_ids(batch=second, length=8), cache=cache, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        qwen2.generate(prompt_ids(batch=second, length=8), **cache_kw(qwen2, cache), max_new_tokens=2, do_sample=False, pad_token_id=0)
 
 
 def test_num_return_sequences_works_as_independent_rows(qwen2):
@@ -377,12 +378,12 @@ def test_num_return_sequences_works_as_independent_rows(qwen2):
     cache: the README says this works (it used to say it is refused)."""
     ids = prompt_ids(length=10, seed=2)
     torch.manual_seed(0)
-    out = qwen2.generate(ids, cache=kvtier.make_cache("tiered", qwen2, hbm_ratio=0.3), max_new_tokens=6, do_sample=True,
+    out = qwen2.generate(ids, **cache_kw(qwen2, kvtier.make_cache("tiered", qwen2, hbm_ratio=0.3)), max_new_tokens=6, do_sample=True,
                          num_return_sequences=3, pad_token_id=0)
     torch.manual_seed(0)
-    ref = qwen2.generate(ids, cache=kvtier.make_cache("full", qwen2), max_new_tokens=6, do_sample=True,
+    ref = qwen2.generate(ids, **cache_kw(qwen2, kvtier.make_cache("full", qwen2)), max_new_tokens=6, do_sample=True,
                          num_return_sequences=3, pad_token_id=0)
     assert out.shape == (3, 16) and torch.equal(out, ref)
     with pytest.raises(NotImplementedError, match="beam search"):
-        qwen2.generate(ids, cache=kvtier.make_cache("tiered", qwen2), max_new_tokens=4, num_beams=2, do_sample=False,
+        qwen2.generate(ids, **cache_kw(qwen2, kvtier.make_cache("tiered", qwen2)), max_new_tokens=4, num_beams=2, do_sample=False,
                        pad_token_id=0)

@@ -13,6 +13,7 @@ from conftest import decode_loop, prompt_ids
 from kvtier.cli import app
 from kvtier.plan import plan
 from kvtier.transfer import TransferEngine
+from kvtier.compat import cache_kw
 
 runner = CliRunner()
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -83,7 +84,7 @@ def test_cuda_tiered_matches_full_bitwise():
                            ("tiered", dict(hbm_ratio=0.1, evict_ratio=0.0, retier_interval=8, recent_window=4,
                                            attention="ordered"))):
         cache = kvtier.make_cache(policy, model, **params)
-        o = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=96, min_new_tokens=96,
+        o = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kw(model, cache), max_new_tokens=96, min_new_tokens=96,
                            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
         outs.append(torch.stack(o.logits))
         if policy == "tiered":

@@ -16,6 +16,7 @@ from kvtier.planner import protected_mask
 from kvtier.tiermap import NOT_CACHED, SHARE, TIERS, TokenTiers
 
 from conftest import generate, prompt_ids
+from kvtier.compat import cache_kw
 
 TIERED = dict(hbm_ratio=0.3, evict_ratio=0.2, quant_ratio=0.1, retier_interval=8, recent_window=4, sink_tokens=2,
               protect_prompt=False)
@@ -24,13 +25,13 @@ TIERED = dict(hbm_ratio=0.3, evict_ratio=0.2, quant_ratio=0.1, retier_interval=8
 def _decode(model, cache, ids, mask, steps, after=None):
     """Greedy decoding one token per forward; ``after(step, cache)`` after the prefill (step -1) and each step."""
     with torch.no_grad():
-        out = model(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+        out = model(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), use_cache=True)
         if after:
             after(-1, cache)
         tok = out.logits[:, -1].argmax(-1, keepdim=True)
         for s in range(steps):
             mask = torch.cat([mask, torch.ones_like(tok)], dim=1)
-            out = model(input_ids=tok, attention_mask=mask, cache=cache, use_cache=True)
+            out = model(input_ids=tok, attention_mask=mask, **cache_kw(model, cache), use_cache=True)
             tok = out.logits[:, -1].argmax(-1, keepdim=True)
             if after:
                 after(s, cache)
@@ -187,6 +188,7 @@ def test_compact_round_trip():
 
 
 def test_png_is_drawn(tmp_path):
+    pytest.importorskip("matplotlib", reason="--png needs the eval extra (make test-compat installs only core + dev)")
     m = TokenTiers(TIERS, ["question\n", "a", "b\tc", "d" * 300], 1, [0, 1, 2, 3],
                    history_steps=[0], history=[[0, 0, 1, -3]])
     p = viz.write_png(m, tmp_path / "m.png", title="t")

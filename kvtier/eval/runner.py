@@ -268,6 +268,7 @@ def _as_set(ids) -> set[int]:
 
 def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dict) -> list[dict]:
     import kvtier
+    from ..compat import cache_kw
     from ..tiermap import cache_codes, compact, sequence_map, token_pieces
 
     prompts = [build_prompt(tok, c.benchmark, p) for _, _, p, _, _ in batch]
@@ -283,7 +284,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
         torch.cuda.synchronize()
     t = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**enc, cache=cache, **gen)
+        out = model.generate(**enc, **cache_kw(model, cache), **gen)
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t
