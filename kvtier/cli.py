@@ -411,8 +411,14 @@ def sweep(
     seed: int = typer.Option(0),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
+    ray: Optional[str] = typer.Option(None, "--ray", help="run on a Ray cluster: auto (the running one, else local) "
+                                      "or its ADDRESS; needs kvtier[ray]"),
+    gpus_per_task: float = typer.Option(1.0, help="--ray: GPUs per worker (0 on a CPU-only cluster)"),
+    shards: int = typer.Option(2, help="--ray: tasks per configuration (problems split evenly)"),
+    ray_workers: Optional[int] = typer.Option(None, help="--ray: workers to start (default: GPUs / --gpus-per-task, or 2)"),
+    max_retries: int = typer.Option(2, help="--ray: retries of a failed task before it is reported"),
 ):
-    """Run a grid of policies x ratios x benchmarks into one resumable run directory."""
+    """Run a grid of policies x ratios x benchmarks into one resumable run directory (``--ray``: on a cluster)."""
 
     def go():
         import kvtier
@@ -467,8 +473,15 @@ def sweep(
                           soft_wrap=True)
         console.print(f"{len(cfgs)} configurations")
         with _LazyProgress("sweep") as progress:
-            run_eval(cfgs, out, batch_size=bs, on_progress=progress,
-                     loaded=lambda: kvtier.load_model(cfgs[0].model, device=dev, dtype=dt), problems=problems)
+            if ray is not None:
+                from .eval.ray_sweep import run_eval_ray
+
+                run_eval_ray(cfgs, out, address=ray, workers=ray_workers, gpus_per_task=gpus_per_task, shards=shards,
+                             batch_size=bs, device=dev, dtype=dt, data_dir=opt("data_dir"), max_retries=max_retries,
+                             on_progress=progress)
+            else:
+                run_eval(cfgs, out, batch_size=bs, on_progress=progress,
+                         loaded=lambda: kvtier.load_model(cfgs[0].model, device=dev, dtype=dt), problems=problems)
         paths = write_report(out)
         console.print(paths["md"].read_text(), soft_wrap=True, markup=False, highlight=False)
 

@@ -1,7 +1,8 @@
 """Run folders: one writer at a time, records read without touching the file, resume keys that cover everything
 that changes an answer.
 
-A run folder holds ``records.jsonl`` (one JSON object per (configuration, problem, sample)) and, while a writer
+A run folder holds ``records.jsonl`` (one JSON object per (configuration, problem, sample)), for sweeps run on Ray
+also ``shards/*.jsonl`` (one file per task, each with one writer; together they *are* the run), and, while a writer
 runs, ``.lock`` — an exclusive ``fcntl.flock`` that the kernel drops when the holder exits, even on SIGKILL, so a
 killed run's lock is taken over by the next writer without any cleanup. Readers (``kvtier report``) never lock
 and never write.
@@ -19,6 +20,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 RECORDS = "records.jsonl"
+SHARDS = "shards"  # distributed sweeps: one records file per (configuration, shard) task, never shared
 LOCK = ".lock"
 REQUIRED = ("config_key", "id", "benchmark", "policy", "params", "completion", "correct", "generated_tokens",
             "tier_tokens", "tier_bytes", "seconds")
@@ -118,17 +120,25 @@ def parse_records(data: bytes, path: Path) -> tuple[list[dict], int]:
     return out, offset
 
 
+def records_files(run_dir: str | Path) -> list[Path]:
+    """``records.jsonl`` then every shard file, in name order."""
+    run_dir = Path(run_dir)
+    main = [run_dir / RECORDS] if (run_dir / RECORDS).is_file() else []
+    return main + sorted((run_dir / SHARDS).glob("*.jsonl"))
+
+
 def read_records(run_dir: str | Path) -> list[dict]:
     """Every record of a run folder, read-only (a torn last line is ignored, the file is never modified)."""
-    path = Path(run_dir) / RECORDS
-    if not path.is_file():
-        return []
-    return parse_records(path.read_bytes(), path)[0]
+    out: list[dict] = []
+    for path in records_files(run_dir):
+        out += parse_records(path.read_bytes(), path)[0]
+    return out
 
 
-def open_for_append(run_dir: Path) -> tuple[list[dict], Path]:
-    """For the lock holder: the records so far, with a torn tail cut and a missing final newline added."""
-    path = run_dir / RECORDS
+def open_for_append(run_dir: Path, path: Path | None = None) -> tuple[list[dict], Path]:
+    """For the lock holder (or a shard's one writer): the records of ``path`` (default ``records.jsonl``) so far,
+    with a torn tail cut and a missing final newline added."""
+    path = run_dir / RECORDS if path is None else path
     if not path.is_file():
         return [], path
     data = path.read_bytes()

@@ -204,7 +204,8 @@ def run_eval(
         problems = load_all(cfgs, data_dir)
     out.mkdir(parents=True, exist_ok=True)
     with RunLock(out):
-        existing, path = open_for_append(out)
+        _, path = open_for_append(out)
+        existing = read_records(out)  # records.jsonl and any shard files of an earlier Ray run
         if callable(loaded):
             loaded = loaded()
         elif loaded is None:
@@ -212,22 +213,29 @@ def run_eval(
         model, tok = loaded
         check_positions(cfgs, problems, tok, position_limit(model))
         identity = run_identity(cfgs[0].model, model)
-        sets = {b: getattr(ps, "fingerprint", "") for b, ps in problems.items()}
-        keys = [c.key(identity, sets[c.benchmark]) for c in cfgs]
-        done = {(r["config_key"], r["id"], r.get("sample", 0), r.get("problem_hash")) for r in dedupe(existing)}
-        todo = []
-        for c, key in zip(cfgs, keys):
-            for p in config_problems(c, problems):
-                ph = problem_hash(p.question, p.gold, p.choices)
-                for s in range(c.samples):
-                    if (key, p.id, s, ph) not in done:
-                        done.add((key, p.id, s, ph))  # a config listed twice runs once
-                        todo.append((c, key, p, s, ph))
+        keys, todo, sets = plan_todo(cfgs, problems, identity, existing)
         _run_todo(model, tok, todo, path, batch_size, identity, sets, on_progress)
     return keys
 
 
-def _run_todo(model, tok, todo, path: Path, batch_size: int, identity: dict, sets: dict, on_progress) -> None:
+def plan_todo(cfgs: list[EvalConfig], problems: dict[str, list[Problem]], identity: dict, existing: list[dict]):
+    """The configurations' keys, and every (config, key, problem, sample, problem hash) not yet recorded."""
+    sets = {b: getattr(ps, "fingerprint", "") for b, ps in problems.items()}
+    keys = [c.key(identity, sets[c.benchmark]) for c in cfgs]
+    done = {(r["config_key"], r["id"], r.get("sample", 0), r.get("problem_hash")) for r in dedupe(existing)}
+    todo = []
+    for c, key in zip(cfgs, keys):
+        for p in config_problems(c, problems):
+            ph = problem_hash(p.question, p.gold, p.choices)
+            for s in range(c.samples):
+                if (key, p.id, s, ph) not in done:
+                    done.add((key, p.id, s, ph))  # a config listed twice runs once
+                    todo.append((c, key, p, s, ph))
+    return keys, todo, sets
+
+
+def _run_todo(model, tok, todo, path: Path, batch_size: int, identity: dict, sets: dict, on_progress) -> dict:
+    """Generate ``todo`` in batches, appending each batch's records to ``path``; returns the progress counts."""
     total = len(todo)
     progress = {"done": 0, "total": total, "tokens": 0, "seconds": 0.0}
     if on_progress:
@@ -258,6 +266,7 @@ def _run_todo(model, tok, todo, path: Path, batch_size: int, identity: dict, set
     finally:
         if f is not None:
             f.close()
+    return progress
 
 
 def _as_set(ids) -> set[int]:
