@@ -117,9 +117,8 @@ def run_identity(name: str, model) -> dict:
             "device": kind}
 
 
-def _row_stats(cache, row: int) -> dict:
-    """Tier tokens and bytes of one batch row."""
-    s = cache.stats()
+def _row_stats(cache, row: int, s: dict) -> dict:
+    """Tier tokens and bytes of one batch row (``s``: the batch's ``cache.stats()``, computed once)."""
     counts = cache.row_tokens(row)
     bpt = s.get("bytes_per_token", {})
     row_budget = getattr(cache, "row_budget", None)
@@ -330,7 +329,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
             "prompt_tokens": n_prompt,
             "generated_tokens": n_gen,
             "tier_map": compact(tmap, n_prompt),
-            **_row_stats(cache, row),
+            **_row_stats(cache, row, stats),
             "peak_device_kv_bytes": stats.get("peak_device_kv_bytes"),
             "peak_device_tokens": stats.get("peak_device_tokens"),
             "streamed_bytes": stats["transfer"]["stream_h2d_bytes"] / len(batch),
