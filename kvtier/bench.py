@@ -145,8 +145,9 @@ class _Run:
         self.model, self.device = model, device
         self.cache = make()
         self.is_kvtier = isinstance(self.cache, kvtier.KVTierCache)
+        self.cache_kw = cache_kw(model, self.cache)  # once: the timed step does nothing but the forward
         with torch.no_grad():
-            out = model(input_ids=ids, **cache_kw(model, self.cache), use_cache=True)
+            out = model(input_ids=ids, **self.cache_kw, use_cache=True)
         self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
         self.steps: list[float] = []
         self.before = None
@@ -155,7 +156,7 @@ class _Run:
         _sync(self.device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            self.tok = self.model(input_ids=self.tok, **cache_kw(self.model, self.cache), use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            self.tok = self.model(input_ids=self.tok, **self.cache_kw, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
         _sync(self.device)
         if timed:
             self.steps.append(time.perf_counter() - t0)

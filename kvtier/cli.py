@@ -258,7 +258,6 @@ class _PlainLines:
     ``interval`` seconds, and one at the end."""
 
     def __init__(self, label: str):
-
         self.label, self.clock, self.last, self.t0 = label, time.monotonic, None, time.monotonic()
         self.interval = _progress_interval()
         self.pending: str | None = None
@@ -313,7 +312,6 @@ class _StatusProgress:
     """Text progress (bench): a spinner on a terminal, plain lines otherwise."""
 
     def __init__(self, label: str):
-        self.label = label
         self.status = console.status(label) if console.is_terminal else None
         self.plain = None if console.is_terminal else _PlainLines(label)
 

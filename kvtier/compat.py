@@ -24,8 +24,6 @@ import functools
 import inspect
 import threading
 
-import transformers
-
 # The tested range (pyproject.toml states it too). 5.3 and older fail the core tests (mask handling differs).
 OLDEST, NEWEST = "5.4.0", "5.24.0"
 
@@ -44,10 +42,6 @@ def cache_arg(model) -> str:
 def cache_kw(model, cache) -> dict:
     """``{name: cache}`` for ``model(**inputs, **cache_kw(model, cache))`` or ``model.generate(...)``."""
     return {cache_arg(model): cache}
-
-
-def version() -> str:
-    return transformers.__version__
 
 
 _pending = threading.local()

@@ -204,13 +204,19 @@ class HeadwiseState:
             out[i].scatter_(-1, idx, True)
         return out[..., : self.n_total]
 
+    def share_map(self) -> torch.Tensor:
+        """(B, N) int8 on the host: percent of (layer, kv-head) pairs holding each position, -1 for padding."""
+        if self.batch is None:
+            return torch.zeros(0, 0, dtype=torch.int8)
+        from .tiermap import share_row
+
+        return share_row(self.kept_mask(), self.valid[:, : self.n_total])
+
     def record(self) -> None:
-        """After the last layer of a step: the share of (layer, kv-head) pairs holding each position, when due."""
+        """After the last layer of a step: the share map, when due."""
         rec = self.recorder
         if rec is not None and rec.due(self.decode_steps):
-            from .tiermap import share_row
-
-            rec.note(self.decode_steps, share_row(self.kept_mask(), self.valid[:, : self.n_total]))
+            rec.note(self.decode_steps, self.share_map())
 
     def budgets(self) -> torch.Tensor:
         """(B,) long per-row budgets (the scorer decides what the budget covers)."""
@@ -446,6 +452,11 @@ class HeadwiseCache(ShapeGuardedCache):
         """(L, B, H_kv, N) bool on the host: True where the position's K/V is still held in that layer and
         kv-head. N = prompt + generated so far (padding included, never kept)."""
         return self.state.kept_mask()
+
+    def share_map(self) -> torch.Tensor:
+        """(B, N) int8 on the host: percent of (layer, kv-head) pairs still holding each position, -1 for padding
+        (the per-head counterpart of ``KVTierCache.tier_map``)."""
+        return self.state.share_map()
 
     def tier_history(self):
         """The :class:`kvtier.tiermap.TierRecorder` of ``make_cache(..., record_tiers=True)``, else None."""

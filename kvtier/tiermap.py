@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 TIERS, SHARE = "tiers", "share"
 NOT_CACHED = -2  # a token sampled last: never fed back, so never in the cache
+NOT_YET = -3  # history rows: a token not generated yet at that step
 TIER_NAMES = ("T0", "T1", "T2", "T3")
 DEFAULT_EVERY = 64  # the paper's reassignment interval; used by caches that do not reassign
 
@@ -92,10 +93,7 @@ def cache_codes(cache) -> tuple[str, torch.Tensor]:
     """The cache's current placement as a recorder row: (kind, (B, N) int8)."""
     if hasattr(cache, "tier_map"):
         return TIERS, cache.tier_map()
-    st = cache.state
-    if st.batch is None:
-        return SHARE, torch.zeros(0, 0, dtype=torch.int8)
-    return SHARE, share_row(cache.kept_mask(), st.valid[:, : st.n_total])
+    return SHARE, cache.share_map()
 
 
 def protected_positions(cache) -> torch.Tensor | None:
@@ -113,7 +111,7 @@ def protected_positions(cache) -> torch.Tensor | None:
 class TokenTiers:
     """One sequence's tier map: ``tokens[i]`` (text) with its final ``codes[i]`` (see the module doc; ``-2``
     for a token never cached), cumulative ``scores[i]`` (tiered family), ``protected[i]``, and the recorded
-    ``history``: ``history[j][i]`` the code of token i at decode step ``history_steps[j]`` (``-3``: not yet
+    ``history``: ``history[j][i]`` the code of token i at decode step ``history_steps[j]`` (``NOT_YET``: not yet
     generated)."""
 
     kind: str
@@ -142,23 +140,19 @@ class TokenTiers:
         out: list[tuple[int, int]] = []
         for step, row in zip(self.history_steps, self.history):
             c = row[i]
-            if c == -3:
+            if c == NOT_YET:
                 continue
             if not out or out[-1][1] != c:
                 out.append((step, c))
         return out
 
     def counts(self) -> dict[str, int]:
-        if self.kind != TIERS:
-            return {}
-        return {name: sum(c == t for c in self.codes) for t, name in enumerate(TIER_NAMES)}
+        return tier_counts(self.codes) if self.kind == TIERS else {}
 
-    def to_json(self) -> dict:
-        return dict(self.__dict__)
 
-    @classmethod
-    def from_json(cls, d: dict) -> "TokenTiers":
-        return cls(**d)
+def tier_counts(codes: list[int]) -> dict[str, int]:
+    """Tokens per tier among tier codes (never-cached tokens not counted)."""
+    return {name: sum(c == t for c in codes) for t, name in enumerate(TIER_NAMES)}
 
 
 def token_pieces(tok, ids: list[int], text: str | None = None, skip_special: bool = True) -> list[str]:
@@ -205,7 +199,7 @@ def sequence_map(cache, row: int, pad: int, n_tokens: int, pieces: list[str], n_
     if rec is not None:
         for step, r in zip(rec.steps, rec.rows):
             got = r[row, pad : min(pad + n_tokens, r.shape[1])].tolist()
-            hist.append(got + [-3] * (n_tokens - len(got)))
+            hist.append(got + [NOT_YET] * (n_tokens - len(got)))
             steps.append(step)
     return TokenTiers(kind, list(pieces), n_prompt, final, scores, prot, steps, hist, title)
 

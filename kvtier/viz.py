@@ -13,7 +13,7 @@ import html
 import unicodedata
 from pathlib import Path
 
-from .tiermap import NOT_CACHED, SHARE, TIER_NAMES, TIERS, TokenTiers
+from .tiermap import NOT_CACHED, NOT_YET, TIER_NAMES, TIERS, TokenTiers
 
 TIER_COLORS = {0: "#9ad49a", 1: "#8fc1f0", 2: "#f5c36b", 3: "#f08a8a", NOT_CACHED: "#ffffff"}
 TIER_LABELS = {0: "T0 device (HBM)", 1: "T1 host DRAM, full precision", 2: "T2 host, int8", 3: "T3 evicted",
@@ -127,7 +127,7 @@ def heat_strip(m: TokenTiers, width: int = 1000, row_h: int | None = None) -> st
             j = i
             while j < len(codes) and codes[j] == codes[i]:
                 j += 1
-            if codes[i] != -3:
+            if codes[i] != NOT_YET:
                 parts.append(f'<rect x="{left + i * w:.2f}" y="{y}" width="{(j - i) * w:.2f}" height="{row_h}" '
                              f'fill="{code_color(m.kind, codes[i])}"/>')
             i = j
@@ -228,7 +228,7 @@ def write_png(m: TokenTiers, path: str | Path, cols: int = 110, title: str = "")
     img = np.ones((len(rows), max(1, len(m.tokens)), 3))
     for r, codes in enumerate(rows):
         for i, c in enumerate(codes):
-            img[r, i] = (1, 1, 1) if c == -3 else to_rgb(code_color(m.kind, c))
+            img[r, i] = (1, 1, 1) if c == NOT_YET else to_rgb(code_color(m.kind, c))
     sx.imshow(img, aspect="auto", interpolation="nearest")
     every = max(1, len(rows) // 12)
     ticks = [r for r in range(len(rows)) if r % every == 0 or r == len(rows) - 1]

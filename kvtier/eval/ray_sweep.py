@@ -56,28 +56,35 @@ class SweepWorker:
     def __init__(self, model: str, device: str, dtype: str, data_dir: str | None):
         import kvtier
 
-        self.model_name, self.data_dir = model, data_dir
+        self.data_dir = data_dir
         self.model, self.tok = kvtier.load_model(model, device=device, dtype=dtype)
+        self._identity = run_identity(model, self.model)  # a weights fingerprint: once, not per task
+        self._problems: dict[tuple, dict] = {}  # every task of one configuration reads the same problems
 
     def pid(self) -> int:
         return os.getpid()
 
     def identity(self) -> dict:
-        return run_identity(self.model_name, self.model)
+        return self._identity
+
+    def problems(self, cfgs: list[EvalConfig]) -> dict:
+        key = tuple((c.benchmark, c.limit, c.seed) for c in cfgs)
+        if key not in self._problems:
+            self._problems[key] = load_all(cfgs, self.data_dir)
+        return self._problems[key]
 
     def check(self, cfgs: list[EvalConfig]) -> None:
         """Prompt + max_new_tokens within the model's positions (raises ValueError naming the problem)."""
-        check_positions(cfgs, load_all(cfgs, self.data_dir), self.tok, position_limit(self.model))
+        check_positions(cfgs, self.problems(cfgs), self.tok, position_limit(self.model))
 
     def run(self, out_dir: str, cfgs: list[EvalConfig], ids: list[tuple[str, int]], shard: str, batch_size: int) -> dict:
         """Run configuration ``cfgs[0]``'s (problem id, sample) pairs ``ids`` that are still unrecorded, into
         ``shards/<shard>.jsonl``; returns the counts (done, tokens, seconds)."""
         out = Path(out_dir)
-        problems = load_all(cfgs, self.data_dir)
-        identity = self.identity()
+        identity = self._identity
         (out / SHARDS).mkdir(parents=True, exist_ok=True)
-        _, path = open_for_append(out, out / SHARDS / f"{shard}.jsonl")  # cut a torn tail left by a killed worker
-        _, todo, sets = plan_todo(cfgs, problems, identity, read_records(out))
+        mine, path = open_for_append(out, out / SHARDS / f"{shard}.jsonl")  # cut a torn tail left by a killed worker
+        _, todo, sets = plan_todo(cfgs, self.problems(cfgs), identity, mine + read_records(out, skip=path))
         want = set(ids)
         todo = [t for t in todo if (t[2].id, t[3]) in want]
         return _run_todo(self.model, self.tok, todo, path, batch_size, identity, sets, None)
@@ -86,7 +93,6 @@ class SweepWorker:
 @dataclass
 class _Task:
     cfg: EvalConfig
-    key: str
     ids: list[tuple[str, int]]
     shard: str
     attempts: int = 0
@@ -148,7 +154,7 @@ def run_eval_ray(cfgs: list[EvalConfig], out_dir: str | Path, address: str = "au
             n = min(shards, len(mine))
             for i in range(n):
                 part = mine[i * len(mine) // n: (i + 1) * len(mine) // n]
-                tasks.append(_Task(c, key, part, f"{key}-{i + 1}of{n}"))
+                tasks.append(_Task(c, part, f"{key}-{i + 1}of{n}"))
         total = sum(len(t.ids) for t in tasks)
         progress = {"done": 0, "total": total, "tokens": 0, "seconds": 0.0}  # seconds: generation, summed over workers
         if on_progress:
@@ -173,7 +179,7 @@ def run_eval_ray(cfgs: list[EvalConfig], out_dir: str | Path, address: str = "au
                 progress["seconds"] += got["seconds"]
             except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError, ray.exceptions.WorkerCrashedError) as e:
                 log.warning("task %s failed (attempt %d): %s", t.shard, t.attempts, type(e).__name__)
-                if isinstance(e, ray.exceptions.RayActorError) or isinstance(e, ray.exceptions.WorkerCrashedError):
+                if isinstance(e, (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError)):
                     actors[a] = start()  # the worker died: a fresh one (loads the model once)
                 if t.attempts <= max_retries:
                     pending.append(t)

@@ -127,11 +127,13 @@ def records_files(run_dir: str | Path) -> list[Path]:
     return main + sorted((run_dir / SHARDS).glob("*.jsonl"))
 
 
-def read_records(run_dir: str | Path) -> list[dict]:
-    """Every record of a run folder, read-only (a torn last line is ignored, the file is never modified)."""
+def read_records(run_dir: str | Path, skip: Path | None = None) -> list[dict]:
+    """Every record of a run folder, read-only (a torn last line is ignored, the file is never modified); ``skip``:
+    a file the caller has read already (:func:`open_for_append` returns its records)."""
     out: list[dict] = []
     for path in records_files(run_dir):
-        out += parse_records(path.read_bytes(), path)[0]
+        if skip is None or path != skip:
+            out += parse_records(path.read_bytes(), path)[0]
     return out
 
 

@@ -17,7 +17,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .. import viz
-from ..tiermap import TIERS, TokenTiers, decode_codes, from_compact
+from ..tiermap import TIERS, TokenTiers, decode_codes, from_compact, tier_counts
 from .records import dedupe
 
 SORT_JS = """
@@ -116,8 +116,7 @@ def _prompt_line(r: dict) -> str:
         return ""
     codes = decode_codes(tm["kind"], tm["prompt"])
     if tm["kind"] == TIERS:
-        counts = {f"T{t}": sum(c == t for c in codes) for t in range(4)}
-        return "prompt tokens: " + ", ".join(f"{k} {v}" for k, v in counts.items() if v)
+        return "prompt tokens: " + ", ".join(f"{k} {v}" for k, v in tier_counts(codes).items() if v)
     held = sum(codes) / max(1, 100 * len(codes))
     return f"prompt: {100 * held:.0f}% of (token, layer, kv-head) kept"
 

@@ -203,8 +203,8 @@ def run_eval(
         problems = load_all(cfgs, data_dir)
     out.mkdir(parents=True, exist_ok=True)
     with RunLock(out):
-        _, path = open_for_append(out)
-        existing = read_records(out)  # records.jsonl and any shard files of an earlier Ray run
+        existing, path = open_for_append(out)
+        existing += read_records(out, skip=path)  # the shard files of an earlier Ray run
         if callable(loaded):
             loaded = loaded()
         elif loaded is None:
