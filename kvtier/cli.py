@@ -397,7 +397,7 @@ def sweep(
     compare: str = typer.Option("equal-eviction", help="baselines: equal-eviction (budget = 1 - evict ratio), "
                                 "equal-memory (the hierarchy's T0 tokens at each hbm ratio), or both"),
     budget_tokens: str = typer.Option("", help="comma-separated absolute budgets for the baselines, e.g. 128,256,512"),
-    config: Optional[Path] = typer.Option(None, help="JSON/TOML file with these keys (+ policy_params); options given on the command line win"),
+    config: Optional[Path] = typer.Option(None, help="JSON/TOML file with these keys (+ policy_params, and parts: a list of sub-grids each overriding the top-level keys); options given on the command line win"),
     limit: Optional[int] = typer.Option(None),
     out: Path = typer.Option(Path("runs/sweep")),
     data_dir: Optional[Path] = typer.Option(None),
@@ -415,6 +415,7 @@ def sweep(
     shards: int = typer.Option(2, help="--ray: tasks per configuration (problems split evenly)"),
     ray_workers: Optional[int] = typer.Option(None, help="--ray: workers to start (default: GPUs / --gpus-per-task, or 2)"),
     max_retries: int = typer.Option(2, help="--ray: retries of a failed task before it is reported"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="list the configurations (in run order) and exit"),
 ):
     """Run a grid of policies x ratios x benchmarks into one resumable run directory (``--ray``: on a cluster)."""
 
@@ -423,7 +424,7 @@ def sweep(
         from .eval.records import check_run_dir
         from .eval.report import write_report
         from .eval.runner import load_all, run_eval
-        from .eval.sweep import expand_grid, load_config_file
+        from .eval.sweep import config_parts, expand_grid, load_config_file
         from .models import resolve_device, resolve_dtype
 
         file = load_config_file(config) if config else {}
@@ -431,38 +432,52 @@ def sweep(
                      quant_ratio=quant_ratio, compare=compare, budget_tokens=budget_tokens, limit=limit,
                      data_dir=data_dir, batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature,
                      top_p=top_p, samples=samples, seed=seed, device=device, dtype=dtype)
-        unknown = sorted(set(file) - set(flags) - {"policy_params"})
-        if unknown:
-            raise ValueError(f"--config {config}: unknown key(s) {unknown}; allowed: {sorted(flags) + ['policy_params']}")
+        allowed = sorted(flags) + ["parts", "policy_params"]
+        parts = config_parts(file, f"--config {config}")
+        for where, d in [("", file)] + [(f" parts[{i}]", p) for i, p in enumerate(file.get("parts") or [])]:
+            unknown = sorted(set(d) - set(allowed))
+            if unknown:
+                raise ValueError(f"--config {config}{where}: unknown key(s) {unknown}; allowed: {allowed}")
 
-        def opt(name):  # a flag given on the command line wins over the file, which wins over the default
-            return flags[name] if _given(ctx, name) or name not in file else file[name]
+        def opt(name, src=file):  # a flag given on the command line wins over the file, which wins over the default
+            return flags[name] if _given(ctx, name) or name not in src else src[name]
 
         as_list = lambda v: v if isinstance(v, list) else [x.strip() for x in str(v).split(",") if x.strip()]  # noqa: E731
         dev, dt = opt("device"), opt("dtype")
         resolve_dtype(dt, resolve_device(dev))
         skipped: list[str] = []
-        cfgs = expand_grid(
-            model=opt("model"),
-            benchmarks=as_list(opt("benchmark")),
-            policies=as_list(opt("policy")),
-            evict_ratios=_numbers("--evict-ratio", as_list(opt("evict_ratio"))),
-            hbm_ratios=_numbers("--hbm-ratio", as_list(opt("hbm_ratio"))),
-            quant_ratio=_numbers("--quant-ratio", [opt("quant_ratio")])[0],
-            policy_params=file.get("policy_params"),
-            compare=opt("compare"),
-            budget_tokens=[_int_option("--budget-tokens", x) for x in as_list(opt("budget_tokens"))],
-            skipped=skipped,
-            limit=opt("limit"),
-            max_new_tokens=_max_new(opt("max_new_tokens"), dev),
-            temperature=opt("temperature"),
-            top_p=opt("top_p"),
-            samples=opt("samples"),
-            seed=opt("seed"),
-        )
+        cfgs = []
+        for part in parts:
+            cfgs += expand_grid(
+                model=opt("model"),
+                benchmarks=as_list(opt("benchmark", part)),
+                policies=as_list(opt("policy", part)),
+                evict_ratios=_numbers("--evict-ratio", as_list(opt("evict_ratio", part))),
+                hbm_ratios=_numbers("--hbm-ratio", as_list(opt("hbm_ratio", part))),
+                quant_ratio=_numbers("--quant-ratio", [opt("quant_ratio", part)])[0],
+                policy_params=part.get("policy_params"),
+                compare=opt("compare", part),
+                budget_tokens=[_int_option("--budget-tokens", x) for x in as_list(opt("budget_tokens", part))],
+                skipped=skipped,
+                limit=opt("limit", part),
+                max_new_tokens=_max_new(opt("max_new_tokens", part), dev),
+                temperature=opt("temperature", part),
+                top_p=opt("top_p", part),
+                samples=opt("samples", part),
+                seed=opt("seed", part),
+            )
         bs = opt("batch_size")
         if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
             raise ValueError(f"--batch-size must be an integer >= 1, got {bs!r}")
+        if dry_run:
+            t = Table(title=f"{len(cfgs)} configurations, in run order")
+            for col in ("#", "benchmark", "policy", "params", "problems", "max new tokens"):
+                t.add_column(col)
+            for i, c in enumerate(cfgs):
+                t.add_row(str(i + 1), c.benchmark, c.policy, ", ".join(f"{k}={v}" for k, v in c.params.items()),
+                          str(c.limit or "all"), str(c.max_new_tokens))
+            (console if console.is_terminal else Console(width=200)).print(t)
+            return
         check_run_dir(out)
         _check_limits(cfgs[0].model, max(c.max_new_tokens for c in cfgs))
         problems = load_all(cfgs, opt("data_dir"))

@@ -238,3 +238,58 @@ def test_reasoning_gym_task_options():
         load_problems("rg:chain_sum?bogus=1", limit=1)
     with pytest.raises(DataError, match="key=value"):
         load_problems("rg:chain_sum?min_terms", limit=1)
+
+
+def test_sweep_parts_are_sub_grids_of_one_run(tmp_path):
+    """``parts``: each sub-grid overrides the top level (policy_params merged per policy); a configuration listed in
+    two parts runs once; run-wide keys may not be set per part; --dry-run lists the configurations, runs nothing."""
+    cfg = {"benchmark": "gsm8k", "limit": 2, "max_new_tokens": 4, "hbm_ratio": "0.3",
+           "policy_params": {"tiered": {"recent_window": 2, "retier_interval": 4}},
+           "parts": [{"policy": "full,tiered", "evict_ratio": "0.2"},
+                     {"policy": "full,tiered", "evict_ratio": "0.5", "limit": 1,
+                      "policy_params": {"tiered": {"attention": "ordered"}}}]}
+    path = tmp_path / "grid.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "grid"
+    res = runner.invoke(app, ["sweep", *TINY, "--config", str(path), "--data-dir", str(DATA_DIR), "--out", str(out),
+                              "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "4 configurations" in res.output and "attention=ordered" in res.output and not out.exists()
+    res = runner.invoke(app, ["sweep", *TINY, "--config", str(path), "--data-dir", str(DATA_DIR), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    got = sorted((r["policy"], r["id"], json.dumps(r["params"], sort_keys=True)) for r in _records(out))
+    t1 = json.dumps({"evict_ratio": 0.2, "hbm_ratio": 0.3, "quant_ratio": 0.0, "recent_window": 2,
+                     "retier_interval": 4}, sort_keys=True)
+    t2 = json.dumps({"attention": "ordered", "evict_ratio": 0.5, "hbm_ratio": 0.3, "quant_ratio": 0.0,
+                     "recent_window": 2, "retier_interval": 4}, sort_keys=True)
+    assert got == sorted([("full", "gsm8k-0", "{}"), ("full", "gsm8k-1", "{}"),  # full once, at the larger limit
+                          ("tiered", "gsm8k-0", t1), ("tiered", "gsm8k-1", t1), ("tiered", "gsm8k-0", t2)])
+    for bad, message in (({"parts": [{"policy": "full", "batch_size": 2}]}, "whole run"),
+                         ({"parts": []}, "non-empty list"),
+                         ({"parts": [{"policy": "full", "bogus": 1}]}, "parts[0]: unknown key(s) ['bogus']")):
+        path.write_text(json.dumps({"benchmark": "gsm8k", **bad}))
+        res = runner.invoke(app, ["sweep", *TINY, "--config", str(path), "--out", str(tmp_path / "bad")])
+        assert res.exit_code == 2 and message in res.output and "Traceback" not in res.output, res.output
+
+
+def test_file_benchmark_seeded_subset():
+    """``math500?shuffle=S``: a fixed permutation, so a larger limit extends the same subset; ids, prompts and
+    grading are those of the base benchmark; anything else after ``?`` is one DataError."""
+    from kvtier.eval.datasets import DataError, load_problems
+    from kvtier.eval.grading import grade
+    from kvtier.eval.prompts import user_message
+
+    head = load_problems("math500", DATA_DIR, limit=10)
+    a = load_problems("math500?shuffle=0", DATA_DIR, limit=10)
+    b = load_problems("math500?shuffle=0", DATA_DIR, limit=20)
+    c = load_problems("math500?shuffle=1", DATA_DIR, limit=10)
+    everything = {p.id: p for p in load_problems("math500", DATA_DIR)}
+    assert [p.id for p in b[:10]] == [p.id for p in a] and [p.id for p in a] != [p.id for p in head]
+    assert [p.id for p in a] != [p.id for p in c] and len({p.id for p in b}) == 20
+    assert all(everything[p.id].question == p.question and everything[p.id].gold == p.gold for p in b)
+    assert a.fingerprint == b.fingerprint != c.fingerprint != head.fingerprint
+    assert user_message("math500?shuffle=0", a[0]) == user_message("math500", a[0])
+    assert grade("math500?shuffle=0", "\\boxed{" + a[0].gold + "}", a[0].gold)
+    for bad in ("math500?seed=1", "math500?shuffle=x", "nope?shuffle=1"):
+        with pytest.raises(DataError, match="shuffle"):
+            load_problems(bad, DATA_DIR)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,10 +43,33 @@ class Problem:
     choices: list[str] = field(default_factory=list)  # ARC: texts in order, labelled A, B, C, ... by position
 
 
+def split_benchmark(name: str) -> tuple[str, int | None]:
+    """``math500?shuffle=7`` -> ("math500", 7): a file benchmark and the seed of a fixed permutation of its
+    problems (``limit`` then takes a seeded random subset); ``rg:`` specs keep their own options."""
+    if name.startswith("rg:") or "?" not in name:
+        return name, None
+    base, _, query = name.partition("?")
+    k, eq, v = query.partition("=")
+    if k != "shuffle" or not eq or not v.lstrip("-").isdigit():
+        raise DataError(f"benchmark {name!r}: the only option of a file benchmark is ?shuffle=<integer seed>")
+    return base, int(v)
+
+
+def base_benchmark(name: str) -> str:
+    """The benchmark whose prompt and grader a spec uses (``math500?shuffle=0`` -> ``math500``)."""
+    return name if name.startswith("rg:") else name.partition("?")[0]
+
+
 def check_benchmark(name: str) -> None:
-    if name in BENCHMARKS or (name.startswith("rg:") and len(name) > 3):
+    if not isinstance(name, str):
+        raise DataError(f"benchmark must be a string, got {name!r}")
+    if name.startswith("rg:") and len(name) > 3:
         return
-    raise DataError(f"benchmark must be one of {', '.join(BENCHMARKS)} or rg:<reasoning-gym task>, got {name!r}")
+    if base_benchmark(name) in BENCHMARKS:
+        split_benchmark(name)
+        return
+    raise DataError(f"benchmark must be one of {', '.join(BENCHMARKS)} (optionally ?shuffle=<seed>) "
+                    f"or rg:<reasoning-gym task>, got {name!r}")
 
 
 def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
@@ -182,12 +206,14 @@ def _reasoning_gym(spec: str, limit: int | None, seed: int) -> list[Problem]:
 
 
 def load_problems(name: str, data_dir: str | Path | None = None, limit: int | None = None, seed: int = 0) -> list[Problem]:
-    """Problems of ``name`` (first ``limit``), from ``data_dir`` if given, else the hub; ``rg:<task>`` offline."""
+    """Problems of ``name`` (first ``limit``), from ``data_dir`` if given, else the hub; ``rg:<task>`` offline;
+    ``<name>?shuffle=<seed>``: the first ``limit`` of a seeded permutation (ids unchanged)."""
     check_benchmark(name)
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise DataError(f"--limit must be an integer >= 1, got {limit!r}")
     if name.startswith("rg:"):
         return _reasoning_gym(name[3:], limit, seed)
+    spec, (name, shuffle) = name, split_benchmark(name)
     if data_dir is not None:
         path = Path(data_dir).expanduser() / name / "test.jsonl"
         if not path.is_file():
@@ -200,6 +226,9 @@ def load_problems(name: str, data_dir: str | Path | None = None, limit: int | No
     probs = _from_rows(name, rows, source)
     if not fingerprint:
         fingerprint = "hub:" + hashlib.sha1(json.dumps([(p.id, p.question, p.gold, p.choices) for p in probs]).encode()).hexdigest()[:16]
+    if shuffle is not None:  # the whole set is permuted first, so a larger limit extends the same subset
+        random.Random(shuffle).shuffle(probs)
+        fingerprint += f":shuffle{shuffle}"
     out = ProblemSet(probs[:limit] if limit else probs)
     out.fingerprint = fingerprint
     return out

@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
+from .datasets import base_benchmark
+
 _NUM = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
@@ -110,6 +112,7 @@ def grade_choice(completion: str, gold: str) -> bool:
 
 def extract_answer(benchmark: str, completion: str) -> str | None:
     """The answer as the grader reads it (for records)."""
+    benchmark = base_benchmark(benchmark)
     if benchmark == "arc_challenge":
         return _choice_letter(completion)
     if benchmark in ("gsm8k",) or benchmark.startswith("rg:"):
@@ -123,6 +126,7 @@ def extract_answer(benchmark: str, completion: str) -> str | None:
 
 def grade(benchmark: str, completion: str, gold: str) -> bool:
     """Is ``completion`` a correct answer to a ``benchmark`` problem whose reference answer is ``gold``?"""
+    benchmark = base_benchmark(benchmark)
     if benchmark == "arc_challenge":
         return grade_choice(completion, gold)
     if benchmark in ("math500", "math_level5"):

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from .datasets import Problem
+from .datasets import Problem, base_benchmark
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 ARC_INSTRUCTION = "Please reason step by step, and put the letter of your final answer within \\boxed{}."
 
 
 def user_message(benchmark: str, p: Problem) -> str:
-    if benchmark == "arc_challenge":
+    if base_benchmark(benchmark) == "arc_challenge":
         lines = [p.question, ""] + [f"{'ABCDEFGH'[i]}. {t}" for i, t in enumerate(p.choices)]
         return "\n".join(lines) + "\n\n" + ARC_INSTRUCTION
     return f"{p.question}\n{INSTRUCTION}"

@@ -104,6 +104,33 @@ def expand_grid(model: str, benchmarks: list[str], policies: list[str], evict_ra
     return cfgs
 
 
+GLOBAL_KEYS = ("model", "data_dir", "batch_size", "device", "dtype")  # one model load, one batching for the run
+
+
+def config_parts(file: dict, where: str = "--config") -> list[dict]:
+    """The sub-grids of a sweep config: without ``parts``, the file itself; with ``parts`` (a list of mappings),
+    each part is the file's top-level keys overridden by the part's own (``policy_params`` merged per policy).
+    The run shares one model and batch size, so parts may not set those."""
+    parts = file.get("parts")
+    top = {k: v for k, v in file.items() if k != "parts"}
+    if parts is None:
+        return [top]
+    if not isinstance(parts, list) or not parts or not all(isinstance(x, dict) for x in parts):
+        raise ValueError(f"{where}: parts must be a non-empty list of objects (each a sub-grid's options)")
+    out = []
+    for i, part in enumerate(parts):
+        bad = sorted(set(part) & set(GLOBAL_KEYS + ("parts",)))
+        if bad:
+            raise ValueError(f"{where}: parts[{i}] sets {bad}; those hold for the whole run (set them at the top level)")
+        pp = {pol: dict(v) for pol, v in (top.get("policy_params") or {}).items()}
+        for pol, v in (part.get("policy_params") or {}).items():
+            if not isinstance(v, dict):
+                raise ValueError(f"{where}: parts[{i}].policy_params.{pol} must be a mapping of parameters")
+            pp[pol] = {**pp.get(pol, {}), **v}
+        out.append({**top, **part, "policy_params": pp})
+    return out
+
+
 def load_config_file(path: str | Path) -> dict:
     """A sweep config (JSON or TOML) with the same keys as the CLI options, plus ``policy_params``."""
     p = Path(path)
