@@ -234,6 +234,66 @@ def generate(
     _run(go)
 
 
+# ---- serve -------------------------------------------------------------------------------------------
+@app.command()
+def serve(
+    model: str = typer.Option(EMBEDDED, help=MODEL_HELP),
+    policy: str = typer.Option("tiered", help="default cache policy (a request's kvtier.policy overrides it)"),
+    hbm_ratio: Optional[float] = typer.Option(None, help="tiered/quant: T0 fraction"),
+    evict_ratio: Optional[float] = typer.Option(None, help="tiered/evict/quant: T3 fraction"),
+    quant_ratio: Optional[float] = typer.Option(None, help="tiered: T2 fraction"),
+    budget_ratio: Optional[float] = typer.Option(None, help="eviction baselines: kept fraction"),
+    param: list[str] = typer.Option([], help="any other policy parameter, key=value (repeatable)"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000),
+    served_name: Optional[str] = typer.Option(None, help="the model id clients send and /v1/models lists (default --model)"),
+    max_batch: int = typer.Option(8, help="requests decoded together in one batch"),
+    max_queue: int = typer.Option(64, help="requests that may wait for a batch; beyond it, 429 with Retry-After"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="cap on a request's max_tokens (default 4096 GPU, 512 CPU)"),
+    max_prompt_tokens: Optional[int] = typer.Option(None, help="longest prompt accepted (default: the model's positions)"),
+    request_timeout: float = typer.Option(600.0, help="seconds from arrival; a request still running ends there"),
+    reasoning: str = typer.Option("separate", help="separate: <think> text as reasoning_content (DeepSeek's API); inline"),
+    batch_wait: float = typer.Option(0.02, help="seconds the engine waits for companions after a first arrival"),
+    grace: float = typer.Option(10.0, help="on SIGTERM/SIGINT: seconds in-flight requests get to finish"),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA and bf16-capable CPUs, else fp32), bf16, fp16, fp32"),
+):
+    """An OpenAI-compatible server (chat/completions, SSE streaming, /metrics) decoding with a kvtier cache."""
+
+    def go():
+        import kvtier
+        from .models import resolve_device, resolve_dtype
+        from .serve import EngineConfig, _uvicorn
+        from .serve import serve as run_server
+        from .serve.app import ServeSettings
+
+        _uvicorn()
+        params = {**_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
+                                   budget_ratio=budget_ratio), **_parse_params(param)}
+        cap = _max_new(max_new_tokens, device)
+        if not 1 <= port <= 65535:
+            raise ValueError(f"--port must be an integer in [1, 65535], got {port}")
+        if grace < 0:
+            raise ValueError(f"--grace must be >= 0 seconds, got {grace}")
+        settings = ServeSettings(served_name=served_name or model, policy=policy, params=params, max_new_tokens=cap,
+                                 max_prompt_tokens=max_prompt_tokens, request_timeout_s=request_timeout,
+                                 reasoning=reasoning)
+        ecfg = EngineConfig(max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait)
+        resolve_dtype(dtype, resolve_device(device))
+        m, tok = kvtier.load_model(model, device=device, dtype=dtype)
+        settings.position_limit = getattr(m.config, "max_position_embeddings", None)
+        shown = ", ".join(f"{k} {v}" for k, v in params.items())
+
+        def ready(server):
+            console.print(f"kvtier serve: {settings.served_name} on http://{host}:{port}/v1 · policy {policy}"
+                          f"{f' ({shown})' if shown else ''} · batch {max_batch}, queue {max_queue}", highlight=False)
+
+        run_server(m, tok, settings, ecfg, host=host, port=port, grace_s=grace, on_ready=ready)
+        console.print("kvtier serve: stopped", highlight=False)
+
+    _run(go)
+
+
 # ---- eval / sweep / report ---------------------------------------------------------------------------
 def _eval_progress_cb(progress: Progress, task):
     def cb(p):

@@ -1,0 +1,64 @@
+"""``kvtier serve``: an OpenAI-compatible HTTP server whose requests decode with a kvtier cache.
+
+- :mod:`.engine`: wait list, batches, the generation thread (no HTTP);
+- :mod:`.text`: incremental detokenisation, stop strings, the ``<think>`` split (no model);
+- :mod:`.app`: the FastAPI routes, request validation, SSE; :mod:`.metrics`: ``/metrics``.
+
+Needs the optional extra ``kvtier[serve]`` (fastapi, uvicorn, prometheus-client).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .engine import Engine, EngineConfig, GenRequest, QueueFull, ShuttingDown
+
+log = logging.getLogger(__name__)
+
+
+def _uvicorn():
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn
+    except ImportError as e:
+        raise ValueError(f"kvtier serve needs the serve extra ({e.name} is missing): pip install 'kvtier[serve]'") from None
+    return uvicorn
+
+
+def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, host: str = "127.0.0.1",
+          port: int = 8000, grace_s: float = 10.0, on_ready=None) -> None:
+    """Run the server until SIGINT/SIGTERM, then shut down gracefully: stop accepting connections, let in-flight
+    requests finish for up to ``grace_s`` seconds, cancel the rest, return (exit code 0 for the CLI)."""
+    uvicorn = _uvicorn()
+    from .app import create_app
+
+    engine = Engine(model, tokenizer, engine_cfg)
+    app = create_app(engine, settings)
+    app.state.grace_s = grace_s
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # new requests get 503 from the first signal on
+            app.state.server.draining = True
+            super().handle_exit(sig, frame)
+
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if on_ready is not None and not self.should_exit:
+                on_ready(self)
+
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=max(grace_s, 0.1),
+                            access_log=False, lifespan="on")
+    import signal
+
+    # uvicorn re-raises the signal that stopped it once it is done; with these handlers in place beforehand that
+    # second delivery is a no-op, so a graceful stop returns normally (exit code 0) instead of dying by the signal
+    before = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _Server(config).run()
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+__all__ = ["Engine", "EngineConfig", "GenRequest", "QueueFull", "ShuttingDown", "serve"]

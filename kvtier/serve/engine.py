@@ -1,0 +1,386 @@
+"""The serving engine: a bounded wait list, batches formed from it, one generation thread owning the model.
+
+No HTTP here (that is :mod:`kvtier.serve.app`): requests come in as :class:`GenRequest`, and each one's events go
+to its ``sink`` callable, from the generation thread:
+
+- ``("delta", content, reasoning)``: new text of the row;
+- ``("done", finish_reason, usage)``: the row is finished (``stop``, ``length``, ``timeout``, ``cancelled``);
+- ``("error", status, message)``: it never ran (expired in the queue, shutdown) or generation failed.
+
+Batching: requests that arrive while the model is busy wait; when it is free, the oldest waiting request and every
+other one with the same cache and sampling settings (up to ``max_batch``) start together as one left-padded batch
+through ``model.generate`` with the request's cache. A row that finishes (end of sequence, its own ``max_tokens``, a
+stop string, its deadline, or a client that went away) is masked from then on — generate pads it — and the others
+go on; the batch ends when every row has finished. Everything per step happens in one ``StoppingCriteria``
+(``_Rows``), which sees each step's new tokens and returns the finished rows: no monkey-patching of generate.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "timeout", "cancelled")
+
+
+class QueueFull(Exception):
+    """The wait list holds ``max_queue`` requests (HTTP 429)."""
+
+
+class ShuttingDown(Exception):
+    """The engine no longer takes requests (HTTP 503)."""
+
+
+@dataclass
+class EngineConfig:
+    """How the engine batches and bounds work; validated on construction."""
+
+    max_batch: int = 8
+    max_queue: int = 64
+    batch_wait_s: float = 0.02  # after the first arrival, how long to wait for companions before starting
+    stats_every: int = 16  # decode steps between refreshes of the live KV metrics
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue", "stats_every"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.batch_wait_s, bool) or not isinstance(self.batch_wait_s, (int, float)) or not 0 <= self.batch_wait_s <= 10:
+            raise ValueError(f"batch_wait_s must be a number of seconds in [0, 10], got {self.batch_wait_s!r}")
+
+
+@dataclass
+class GenRequest:
+    """One request: prompt ids, limits, cache and sampling settings, and where its events go."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    sink: Callable[[tuple], None]
+    policy: str = "full"
+    params: dict = field(default_factory=dict)
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    deadline: float = float("inf")  # time.monotonic() after which the request ends with "timeout"
+    separate_reasoning: bool = True
+    in_think: bool = False
+    id: int = field(default_factory=itertools.count().__next__)
+    cancelled: bool = False
+    arrived: float = field(default_factory=time.monotonic)
+
+    def batch_key(self) -> tuple:
+        """Requests share a batch only if they share one cache object's settings and one sampler."""
+        sampled = self.temperature > 0
+        return (self.policy, tuple(sorted((k, repr(v)) for k, v in self.params.items())),
+                float(self.temperature) if sampled else 0.0, float(self.top_p) if sampled else 1.0)
+
+    def cancel(self) -> None:
+        """The client went away: the row is masked at the next step, or the request leaves the wait list."""
+        self.cancelled = True
+
+
+class Metrics:
+    """What the engine counts; :mod:`kvtier.serve.app` exports it (Prometheus). Plain numbers, written by the
+    generation thread, read by the server's; no locks needed for single assignments."""
+
+    TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.prompt_tokens = 0
+        self.generated_tokens = 0
+        self.finished: dict[str, int] = {r: 0 for r in FINISH_REASONS}
+        self.kv_bytes: dict[tuple[str, str], int] = {}
+        self.streamed_bytes = 0
+        self.moved_bytes = 0
+        self.reassignments = 0
+        self.ttft_le = [0] * len(self.TTFT_BOUNDS)  # cumulative histogram of arrival -> first token
+        self.ttft_n, self.ttft_sum = 0, 0.0
+        self._recent: deque = deque()  # (time, tokens) of the last window
+
+    def observe_ttft(self, x: float) -> None:
+        self.ttft_n += 1
+        self.ttft_sum += x
+        for j, b in enumerate(self.TTFT_BOUNDS):
+            self.ttft_le[j] += x <= b
+
+    def add_tokens(self, n: int) -> None:
+        now = time.monotonic()
+        self.generated_tokens += n
+        self._recent.append((now, n))
+        while self._recent and self._recent[0][0] < now - 10.0:
+            self._recent.popleft()
+
+    def tokens_per_second(self) -> float:
+        """Generated tokens per second over the last 10 s."""
+        now = time.monotonic()
+        return sum(n for t, n in self._recent if t >= now - 10.0) / 10.0
+
+
+def _kv_by_location(stats: dict) -> dict[tuple[str, str], int]:
+    b = stats.get("bytes", {})
+    t0_where = "device"
+    return {("T0", t0_where): int(b.get("T0", 0)), ("T1", "host"): int(b.get("T1", 0)),
+            ("T2", "host"): int(b.get("T2", 0))}
+
+
+class _Rows:
+    """The batch's rows, stepped by generate: a ``StoppingCriteria`` (``(input_ids, scores) -> done (B,)``)."""
+
+    def __init__(self, engine: "Engine", batch: list[GenRequest], cache, prompt_len: int, eos: set[int]):
+        from .text import Assembler, Detokenizer
+
+        self.engine, self.batch, self.cache, self.prompt_len, self.eos = engine, batch, cache, prompt_len, eos
+        self.detok = [Detokenizer(engine.tokenizer) for _ in batch]
+        self.text = [Assembler(r.stop, r.separate_reasoning, r.in_think) for r in batch]
+        self.done = [False] * len(batch)
+        self.steps = 0
+        self.last = {"streamed": 0, "moved": 0, "retiers": 0}
+        self.started = time.monotonic()
+
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kw) -> torch.Tensor:
+        new = input_ids[:, -1].tolist()  # the tokens go to the host anyway: they are streamed
+        self.steps += 1
+        now = time.monotonic()
+        m = self.engine.metrics
+        if self.steps == 1:
+            for r in self.batch:
+                m.observe_ttft(now - r.arrived)
+        produced = 0
+        for i, r in enumerate(self.batch):
+            if self.done[i]:
+                continue
+            tok = new[i]
+            if tok in self.eos:
+                produced += 1
+                self._finish(i, "stop", counted=1)
+                continue
+            produced += 1
+            piece = self.detok[i].push(tok)
+            if piece:
+                self._send(i, piece)
+            if self.done[i]:  # a stop string
+                continue
+            n = len(self.detok[i].ids)
+            if n >= r.max_tokens:
+                self._finish(i, "length")
+            elif r.cancelled or self.engine.cancel_all:
+                self._finish(i, "cancelled")
+            elif now > r.deadline:
+                self._finish(i, "timeout")
+        m.add_tokens(produced)
+        if self.steps % self.engine.cfg.stats_every == 0:
+            self._update_metrics()
+        return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
+
+    def _send(self, i: int, piece: str, final: bool = False) -> None:
+        asm = self.text[i]
+        content, reasoning = asm.feed(piece, final=final)
+        if content or reasoning:
+            _safe_sink(self.batch[i], ("delta", content, reasoning))
+        if asm.stopped and not self.done[i]:
+            self._finish(i, "stop")
+
+    def _finish(self, i: int, reason: str, counted: int = 0) -> None:
+        if self.done[i]:
+            return
+        self.done[i] = True
+        r = self.batch[i]
+        if reason != "cancelled" and not self.text[i].stopped:
+            self._send(i, self.detok[i].flush(), final=True)
+        stats = self.cache.stats()
+        n = len(self.detok[i].ids) + counted
+        usage = {
+            "prompt_tokens": len(r.prompt_ids),
+            "completion_tokens": n,
+            "total_tokens": len(r.prompt_ids) + n,
+            "kvtier": {
+                "policy": r.policy,
+                "params": dict(r.params),
+                "batch_size": len(self.batch),
+                "tier_tokens": self.cache.row_tokens(i),
+                "peak_device_kv_bytes": stats.get("peak_device_kv_bytes"),
+                "streamed_bytes": stats["transfer"]["stream_h2d_bytes"] / len(self.batch),
+                "moved_bytes": (stats["transfer"]["migration_h2d_bytes"] + stats["transfer"]["migration_d2h_bytes"])
+                / len(self.batch),
+                "reassignments": stats.get("retiers", 0),
+                "seconds": time.monotonic() - r.arrived,
+            },
+        }
+        self.engine.metrics.finished[reason] += 1
+        self.engine._running -= 1
+        _safe_sink(r, ("done", reason, usage))
+
+    def _update_metrics(self, final: bool = False) -> None:
+        s = self.cache.stats()
+        m = self.engine.metrics
+        m.kv_bytes = {} if final else _kv_by_location(s)
+        tr = s["transfer"]
+        now = {"streamed": tr["stream_h2d_bytes"], "moved": tr["migration_h2d_bytes"] + tr["migration_d2h_bytes"],
+               "retiers": s.get("retiers", 0)}
+        m.streamed_bytes += now["streamed"] - self.last["streamed"]
+        m.moved_bytes += now["moved"] - self.last["moved"]
+        m.reassignments += now["retiers"] - self.last["retiers"]
+        self.last = now
+
+
+class Engine:
+    """Owns the model: a wait list bounded by ``max_queue``, batches of up to ``max_batch``, one worker thread."""
+
+    def __init__(self, model, tokenizer, cfg: EngineConfig | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.cfg = cfg or EngineConfig()
+        self.metrics = Metrics()
+        self.waiting: deque[GenRequest] = deque()
+        self._cv = threading.Condition()
+        self._stop = False
+        self.cancel_all = False
+        self._running = 0
+        self._thread: threading.Thread | None = None
+        self.live_caches: "weakref.WeakSet[Any]" = weakref.WeakSet()  # a cache still alive after its batch is a leak
+        eos = getattr(model.generation_config, "eos_token_id", None)
+        self.eos = {int(x) for x in ([eos] if isinstance(eos, int) else (eos or []))}
+        if tokenizer.eos_token_id is not None:
+            self.eos.add(int(tokenizer.eos_token_id))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos or {0})
+
+    # ---- the server's side ---------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def start(self) -> "Engine":
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="kvtier-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue ``req``; raises :class:`QueueFull` beyond ``max_queue`` waiting, :class:`ShuttingDown` after
+        :meth:`shutdown` began."""
+        with self._cv:
+            if self._stop:
+                raise ShuttingDown("the server is shutting down")
+            if len(self.waiting) >= self.cfg.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.cfg.max_queue})")
+            self.waiting.append(req)
+            self._cv.notify()
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        """Stop taking requests, let the running batch and the wait list finish for up to ``grace_s``, then
+        cancel what is left (waiting requests get an error event, running rows end ``cancelled``)."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        t_end = time.monotonic() + grace_s
+        while time.monotonic() < t_end and (self.waiting or self._running):
+            time.sleep(0.05)
+        self.cancel_all = True
+        with self._cv:
+            left, self.waiting = list(self.waiting), deque()
+        for r in left:
+            _safe_sink(r, ("error", 503, "the server shut down before this request started"))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # ---- the generation thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.waiting and not self._stop:
+                    self._cv.wait()
+                if not self.waiting:
+                    return
+            if len(self.waiting) < self.cfg.max_batch and self.cfg.batch_wait_s:
+                time.sleep(self.cfg.batch_wait_s)  # let requests that arrive together start together
+            batch = self._take()
+            if batch:
+                self._run(batch)
+
+    def _take(self) -> list[GenRequest]:
+        now = time.monotonic()
+        with self._cv:
+            keep: deque[GenRequest] = deque()
+            gone = []
+            for r in self.waiting:
+                (gone if r.cancelled or now > r.deadline or self.cancel_all else keep).append(r)
+            self.waiting = keep
+            if not keep:
+                batch = []
+            else:
+                key = keep[0].batch_key()
+                batch = [r for r in keep if r.batch_key() == key][: self.cfg.max_batch]
+                ids = {r.id for r in batch}
+                self.waiting = deque(r for r in keep if r.id not in ids)
+            self._running += len(batch)
+        for r in gone:
+            if not r.cancelled:
+                _safe_sink(r, ("error", 504 if now > r.deadline else 503, "the request timed out while waiting"
+                               if now > r.deadline else "the server shut down before this request started"))
+        return batch
+
+    def _run(self, batch: list[GenRequest]) -> None:
+        import kvtier
+        from transformers import StoppingCriteriaList
+
+        from ..compat import cache_kw
+
+        n = max(len(r.prompt_ids) for r in batch)
+        ids = torch.full((len(batch), n), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), n), dtype=torch.long)
+        for i, r in enumerate(batch):
+            ids[i, n - len(r.prompt_ids):] = torch.tensor(r.prompt_ids)
+            mask[i, n - len(r.prompt_ids):] = 1
+        dev = self.model.device
+        rows = None
+        try:
+            cache = kvtier.make_cache(batch[0].policy, self.model, **batch[0].params)
+            self.live_caches.add(cache)
+            rows = _Rows(self, batch, cache, n, self.eos)
+            gen: dict = dict(max_new_tokens=max(r.max_tokens for r in batch), pad_token_id=self.pad_id,
+                             stopping_criteria=StoppingCriteriaList([rows]))
+            if batch[0].temperature > 0:
+                gen.update(do_sample=True, temperature=batch[0].temperature, top_p=batch[0].top_p, top_k=None)
+            else:
+                gen.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            self.metrics.batches += 1
+            self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in batch)
+            with torch.no_grad():
+                self.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **cache_kw(self.model, cache), **gen)
+            for i in range(len(batch)):  # generate stops at max_new_tokens: rows never marked are at their limit
+                rows._finish(i, "length")
+            rows._update_metrics(final=True)
+        except Exception as e:  # a failed batch ends its rows with an error; the server goes on
+            log.exception("generation failed for a batch of %d", len(batch))
+            for i, r in enumerate(batch):
+                if rows is None or not rows.done[i]:
+                    if rows is not None:
+                        rows.done[i] = True
+                    self._running -= 1
+                    _safe_sink(r, ("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+            self.metrics.kv_bytes = {}
+        finally:
+            rows = cache = None  # noqa: F841  (drop the batch's KV before the next one is built)
+            gc.collect()
+
+
+def _safe_sink(r: GenRequest, event: tuple) -> None:
+    try:
+        r.sink(event)
+    except Exception:  # the client's loop is gone
+        log.debug("request %d: event dropped", r.id)

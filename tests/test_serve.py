@@ -1,0 +1,387 @@
+"""`kvtier serve`: the engine against `model.generate`, the text assembly, and the real server over HTTP with the
+official `openai` client (random:tiny-qwen2 on 127.0.0.1, a free port)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("openai")
+
+import kvtier  # noqa: E402
+from kvtier.compat import cache_kw  # noqa: E402
+from kvtier.models import byte_tokenizer, random_model  # noqa: E402
+from kvtier.serve.engine import Engine, EngineConfig, GenRequest, QueueFull  # noqa: E402
+from kvtier.serve.text import Assembler, Detokenizer  # noqa: E402
+
+TIERED = {"hbm_ratio": 0.3, "evict_ratio": 0.1, "recent_window": 4, "retier_interval": 4}
+SERVER_FLAGS = ["--policy", "tiered", "--hbm-ratio", "0.3", "--evict-ratio", "0.1", "--param", "recent_window=4",
+                "--param", "retier_interval=4"]
+
+
+# ---- text assembly ------------------------------------------------------------------------------------
+def test_detokenizer_streams_exactly_the_decoded_text():
+    """Byte-level tokens that split multi-byte characters: the streamed pieces concatenate to ``decode``."""
+    tok = byte_tokenizer()
+    text = "naïve café — 思考 ok"
+    ids = tok(text).input_ids + [300, 301]  # ids past the tokenizer's table decode to nothing
+    d = Detokenizer(tok)
+    pieces = [d.push(i) for i in ids]
+    assert "".join(pieces) + d.flush() == tok.decode(ids, skip_special_tokens=True) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5])
+def test_assembler_think_split_and_stop_strings(cut):
+    """The same text fed in pieces of any size: reasoning before </think>, content after, nothing from a stop
+    string on, and the pieces concatenate to the whole."""
+    text = "<think>I weigh 2+2.</think>The answer is 4. STOP and more"
+    parts = [text[i:i + cut] for i in range(0, len(text), cut)]
+    a = Assembler(stop=["STOP"], separate=True)
+    got = [a.feed(p) for p in parts] + [a.feed("", final=True)]
+    assert "".join(c for c, _ in got) == "The answer is 4. " and "".join(r for _, r in got) == "I weigh 2+2."
+    assert a.stopped
+    b = Assembler(separate=False)
+    got = [b.feed(p) for p in parts] + [b.feed("", final=True)]
+    assert "".join(c for c, _ in got) == text and not any(r for _, r in got)
+    c = Assembler(separate=True, in_think=True)  # the template opened <think>
+    got = [c.feed(x) for x in ("thin", "king</th", "ink>do", "ne")] + [c.feed("", final=True)]
+    assert ("".join(x for x, _ in got), "".join(r for _, r in got)) == ("done", "thinking")
+    d = Assembler(separate=True)  # no tags at all: everything is content
+    got = [d.feed(x) for x in ("<th", "e end")] + [d.feed("", final=True)]
+    assert "".join(x for x, _ in got) == "<the end"
+
+
+# ---- engine vs generate -------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    return random_model("tiny-qwen2", dtype=torch.float32), byte_tokenizer()
+
+
+def _reference(model, tok, prompts: list[list[int]], max_new: int, policy: str, params: dict) -> list[list[int]]:
+    """Greedy `generate` on the left-padded batch, each row cut at its first end-of-sequence token."""
+    n = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), n), tok.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, n - len(p):] = torch.tensor(p)
+        mask[i, n - len(p):] = 1
+    cache = kvtier.make_cache(policy, model, **params)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=max_new,
+                             do_sample=False, temperature=None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
+    rows = []
+    for r in out[:, n:].tolist():
+        rows.append(r[: r.index(tok.eos_token_id)] if tok.eos_token_id in r else r)
+    return rows
+
+
+class _Collect:
+    def __init__(self):
+        self.events, self.done = [], threading.Event()
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev[0] in ("done", "error"):
+            self.done.set()
+
+    @property
+    def text(self):
+        return "".join(e[1] for e in self.events if e[0] == "delta")
+
+    @property
+    def end(self):
+        return self.events[-1]
+
+
+def test_engine_batch_rows_equal_generate_and_finish_independently(tiny):
+    """Three requests started together as one batch: each row's text is `generate`'s on the same padded batch,
+    cut at its own max_tokens; a row that ends early (its limit, or its client gone) does not change the others."""
+    model, tok = tiny
+    prompts = [tok(s).input_ids for s in ("a short one", "a rather longer prompt here", "mid size q")]
+    ref = _reference(model, tok, prompts, 40, "tiered", TIERED)
+    eng = Engine(model, tok, EngineConfig(max_batch=4, batch_wait_s=0.2)).start()
+    sinks = [_Collect() for _ in prompts]
+    limits = [40, 12, 40]
+    reqs = [GenRequest(prompt_ids=p, max_tokens=m, sink=s, policy="tiered", params=TIERED)
+            for p, m, s in zip(prompts, limits, sinks)]
+    for r in reqs:
+        eng.submit(r)
+    for s in sinks:
+        assert s.done.wait(60)
+    for s, ref_ids, lim in zip(sinks, ref, limits):
+        want = ref_ids[:lim]
+        assert s.text == tok.decode(want, skip_special_tokens=True)
+        reason, usage = s.end[1], s.end[2]
+        assert reason == ("stop" if len(want) < lim else "length")
+        assert usage["kvtier"]["batch_size"] == 3 and usage["prompt_tokens"] in map(len, prompts)
+    assert eng.metrics.batches == 1
+    # cancel one row mid-way: it ends "cancelled", the others are unchanged
+    sinks = [_Collect() for _ in prompts]
+    reqs = [GenRequest(prompt_ids=p, max_tokens=40, sink=s, policy="tiered", params=TIERED) for p, s in zip(prompts, sinks)]
+
+    def cancel_after_first(ev, s=sinks[0], r=reqs):
+        s(ev)
+        if ev[0] == "delta":
+            r[0].cancel()
+
+    reqs[0].sink = cancel_after_first
+    for r in reqs:
+        eng.submit(r)
+    for s in sinks:
+        assert s.done.wait(60)
+    assert sinks[0].end[1] == "cancelled"
+    for s, ref_ids in zip(sinks[1:], ref[1:]):
+        assert s.text == tok.decode(ref_ids, skip_special_tokens=True)
+    eng.shutdown(grace_s=1)
+    import gc
+
+    gc.collect()
+    assert len(eng.live_caches) == 0 and eng.running == 0
+
+
+def test_engine_groups_by_settings_bounds_the_queue_and_times_out(tiny):
+    model, tok = tiny
+    eng = Engine(model, tok, EngineConfig(max_batch=8, max_queue=3, batch_wait_s=0))  # not started: nothing drains
+    mk = lambda **kw: GenRequest(prompt_ids=[65, 66], max_tokens=4, sink=_Collect(), **kw)  # noqa: E731
+    a, b, c = mk(policy="full"), mk(policy="tiered", params=TIERED), mk(policy="full")
+    for r in (a, b, c):
+        eng.submit(r)
+    with pytest.raises(QueueFull, match="max-queue 3"):
+        eng.submit(mk())
+    assert [r.id for r in eng._take()] == [a.id, c.id]  # same settings share a batch, in arrival order
+    assert [r.id for r in eng.waiting] == [b.id]
+    late = mk(deadline=time.monotonic() - 1)
+    eng.waiting.appendleft(late)
+    eng._running = 0
+    assert [r.id for r in eng._take()] == [b.id]
+    assert late.sink.end[:2] == ("error", 504)
+    # a deadline reached mid-generation ends the row with "timeout"
+    prompt = next(p for p in ([65 + k] * 8 for k in range(30))
+                  if len(_reference(model, tok, [p], 200, "full", {})[0]) == 200)  # no end of sequence for 200 steps
+    eng2 = Engine(model, tok, EngineConfig(batch_wait_s=0)).start()
+    s = _Collect()
+
+    def slow(ev):  # a sink that takes 5 ms: the 200 steps take > 1 s
+        time.sleep(0.005)
+        s(ev)
+
+    eng2.submit(GenRequest(prompt_ids=prompt, max_tokens=200, sink=slow, deadline=time.monotonic() + 0.3))
+    assert s.done.wait(60) and s.end[1] == "timeout" and 0 < s.end[2]["completion_tokens"] < 200
+    eng2.shutdown(grace_s=0)
+
+
+# ---- the real server ----------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(*extra: str, timeout: float = 90.0):
+    port = _free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", "--model", "random:tiny-qwen2", "--dtype", "fp32",
+                             "--device", "cpu", "--port", str(port), *extra], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env)
+    import httpx
+
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return proc, f"http://127.0.0.1:{port}"
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not come up")
+
+
+def _stop(proc) -> int:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = _start(*SERVER_FLAGS, "--max-batch", "8", "--max-queue", "64", "--max-new-tokens", "64")
+    yield proc, url
+    assert _stop(proc) == 0
+
+
+def _client(url):
+    import openai
+
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def test_chat_and_completions_streamed_equal_whole_equal_generate(server, tiny):
+    proc, url = server
+    model, tok = tiny
+    client = _client(url)
+    assert [m.id for m in client.models.list().data] == ["random:tiny-qwen2"]
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is 2+2? Think."}]
+    whole = client.chat.completions.create(model="random:tiny-qwen2", messages=msgs, max_tokens=48, temperature=0)
+    chunks = list(client.chat.completions.create(model="random:tiny-qwen2", messages=msgs, max_tokens=48, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    ref = _reference(model, tok, [tok(prompt).input_ids], 48, "tiered", TIERED)[0]
+    assert whole.choices[0].message.content == streamed == tok.decode(ref, skip_special_tokens=True)
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert whole.usage.prompt_tokens == len(tok(prompt).input_ids)
+    kv = whole.model_extra["usage"]["kvtier"] if "usage" in (whole.model_extra or {}) else whole.usage.model_extra["kvtier"]
+    assert kv["policy"] == "tiered" and kv["params"]["hbm_ratio"] == 0.3 and set(kv["tier_tokens"]) >= {"T0", "T1", "T3"}
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    # per-request cache settings through extra_body, and the completions endpoint on a raw prompt
+    ev = {"policy": "evict", "evict_ratio": 0.5, "recent_window": 4, "retier_interval": 4}
+    raw = "Once upon a time"
+    whole = client.completions.create(model="random:tiny-qwen2", prompt=raw, max_tokens=40, temperature=0,
+                                      extra_body={"kvtier": ev})
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="random:tiny-qwen2", prompt=raw, max_tokens=40, temperature=0, stream=True, extra_body={"kvtier": ev}))
+    ref = _reference(model, tok, [tok(raw).input_ids], 40, "evict", {k: v for k, v in ev.items() if k != "policy"})[0]
+    assert whole.choices[0].text == streamed == tok.decode(ref, skip_special_tokens=True)
+    assert whole.usage.model_extra["kvtier"]["policy"] == "evict"
+
+
+@pytest.mark.parametrize("body, status, needle", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"messages": [{"role": "user", "content": "x"}], "kvtier": {"hbm_ratio": 0.3, "bogus": 1}}, 400, "bogus"),
+    ({"messages": [{"role": "user", "content": "x"}], "kvtier": {"hbm_ratio": 1.5}}, 400, "hbm_ratio"),
+    ({"messages": [{"role": "user", "content": "x"}], "kvtier": {"policy": "nope"}}, 400, "kvtier.policy"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 65}, 400, "max_tokens must be <= 64"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user"}]}, 400, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
+    ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n must be 1"),
+    ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "model"),
+    ([1, 2], 400, "JSON object"),
+])
+def test_bad_input_is_one_clear_error_and_the_server_keeps_serving(server, body, status, needle):
+    import httpx
+
+    proc, url = server
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(url + "/v1/chat/completions", content=data, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] or needle == err.get("param"), err
+    ok = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
+                    timeout=30)
+    assert ok.status_code == 200 and proc.poll() is None
+
+
+def _metrics(url) -> dict[str, float]:
+    import httpx
+
+    out = {}
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            out[k] = float(v)
+    return out
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def test_load_100_concurrent_streams_end_in_200_or_429_and_nothing_is_left(server):
+    """100 streaming requests at once against --max-batch 8 --max-queue 64: each ends complete ([DONE] after a
+    finish_reason) or 429 with Retry-After; ten clients hang up after their first token; afterwards nothing runs,
+    nothing waits, no cache is alive and the RSS is back near its idle level."""
+    import httpx
+
+    proc, url = server
+    body = {"messages": [{"role": "user", "content": "count to ten"}], "max_tokens": 32, "temperature": 0, "stream": True}
+    httpx.post(url + "/v1/chat/completions", json=dict(body, stream=False), timeout=60)  # warm
+    idle = _rss_mib(proc.pid)
+
+    async def one(client, i):
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                return r.status_code, r.headers.get("retry-after"), None
+            lines = []
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    lines.append(line[6:])
+                    if i % 10 == 0 and len(lines) == 2:
+                        return "gone", None, None  # hang up mid-stream
+            return 200, None, lines
+
+    async def main():
+        limits = httpx.Limits(max_connections=200, max_keepalive_connections=0)
+        async with httpx.AsyncClient(timeout=httpx.Timeout(120), limits=limits) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(100))), 180)
+
+    results = asyncio.run(main())
+    codes = [r[0] for r in results]
+    assert set(codes) <= {200, 429, "gone"} and codes.count(200) >= 40, codes
+    for code, retry, lines in results:
+        if code == 429:
+            assert retry is not None and int(retry) >= 1
+        if code == 200:
+            assert lines[-1] == "[DONE]"
+            last = json.loads(lines[-2])
+            assert last["choices"][0]["finish_reason"] in ("stop", "length")
+    t_end = time.monotonic() + 30
+    while time.monotonic() < t_end:
+        m = _metrics(url)
+        if m["kvtier_running_requests"] == 0 and m["kvtier_queue_depth"] == 0 and m["kvtier_live_caches"] == 0:
+            break
+        time.sleep(0.2)
+    assert m["kvtier_running_requests"] == 0 and m["kvtier_queue_depth"] == 0 and m["kvtier_live_caches"] == 0, m
+    assert m['kvtier_kv_bytes{location="device",tier="T0"}'] == 0
+    assert m['kvtier_requests_total{endpoint="/v1/chat/completions",status="429"}'] == codes.count(429)
+    assert _rss_mib(proc.pid) < idle + 150, (idle, _rss_mib(proc.pid))
+    ok = httpx.post(url + "/v1/chat/completions", json=dict(body, stream=False), timeout=60)
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_sigterm_finishes_in_flight_streams_and_exits_zero():
+    import httpx
+
+    proc, url = _start("--policy", "full", "--max-new-tokens", "400", "--grace", "20")
+    lines: list[str] = []
+
+    def read():
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=60,
+                          json={"messages": [{"role": "user", "content": "go"}], "max_tokens": 400, "temperature": 0,
+                                "stream": True}) as r:
+            lines.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+    t = threading.Thread(target=read)
+    t.start()
+    t_end = time.monotonic() + 30
+    while len(lines) < 3 and time.monotonic() < t_end:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert lines and lines[-1] == "data: [DONE]"
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+    assert proc.wait(timeout=30) == 0
+    assert "kvtier serve: stopped" in proc.stdout.read()
