@@ -294,6 +294,117 @@ def serve(
     _run(go)
 
 
+@app.command("bench-serve")
+def bench_serve_cmd(
+    model: str = typer.Option(EMBEDDED, help=MODEL_HELP),
+    url: Optional[str] = typer.Option(None, help="a running kvtier serve (default: start one with the flags below)"),
+    concurrency: str = typer.Option("1,8,32", help="comma-separated numbers of clients in flight"),
+    policy: str = typer.Option("full,tiered", help="comma-separated policies, each sent per request"),
+    hbm_ratio: float = typer.Option(0.3, help="tiered/quant"),
+    evict_ratio: float = typer.Option(0.03, help="tiered/evict/quant"),
+    param: list[str] = typer.Option([], help="another parameter for every policy but full, key=value (repeatable)"),
+    max_tokens: int = typer.Option(128, help="per request"),
+    requests_per_client: int = typer.Option(2),
+    max_batch: int = typer.Option(32, help="started server: --max-batch"),
+    max_queue: int = typer.Option(64, help="started server: --max-queue"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the rows here (a .txt table beside it)"),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto"),
+):
+    """Throughput and p50/p99 time-to-first-token / inter-token latency at several concurrencies, per policy."""
+
+    def go():
+        import os
+        import signal
+        import socket
+        import subprocess
+        import sys
+
+        from .serve.loadgen import bench_serve
+
+        levels = [_int_option("--concurrency", x) for x in concurrency.split(",") if x.strip()]
+        if not levels or min(levels) < 1:
+            raise ValueError(f"--concurrency must be comma-separated integers >= 1, got {concurrency!r}")
+        for flag, v in (("--max-tokens", max_tokens), ("--requests-per-client", requests_per_client)):
+            if v < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {v}")
+        if json_out is not None:
+            _check_json_out(json_out)
+        pols = []
+        for name in [x.strip() for x in policy.split(",") if x.strip()]:
+            from .eval.runner import validate_policy
+
+            params = {"hbm_ratio": hbm_ratio, "evict_ratio": evict_ratio} if name in ("tiered", "quant") else (
+                {"evict_ratio": evict_ratio} if name == "evict" else {})
+            if name != "full":
+                params.update(_parse_params(param))
+            validate_policy(name, params)
+            pols.append({"policy": name, **params})
+        proc = None
+        target = url
+        if target is None:
+            with socket.socket() as s_:
+                s_.bind(("127.0.0.1", 0))
+                port = s_.getsockname()[1]
+            cmd = [sys.executable, "-m", "kvtier", "serve", "--model", model, "--port", str(port), "--device", device,
+                   "--dtype", dtype, "--max-batch", str(max_batch), "--max-queue", str(max_queue),
+                   "--max-new-tokens", str(max_tokens)]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+            target = f"http://127.0.0.1:{port}"
+            import httpx
+
+            t_end = time.monotonic() + 900
+            while True:
+                if proc.poll() is not None:
+                    raise ValueError(f"the server exited: {proc.stdout.read()[-500:]}")
+                try:
+                    if httpx.get(target + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > t_end:
+                    proc.kill()
+                    raise ValueError("the server did not come up in 900 s")
+                time.sleep(0.5)
+        target = target.rstrip("/").removesuffix("/v1")
+        import httpx
+
+        health = httpx.get(target + "/health", timeout=30).json()
+        try:
+            t0 = time.monotonic()
+            rows = bench_serve(target, levels, pols, requests_per_client, max_tokens,
+                               on_level=lambda r: console.print(
+                                   f"bench-serve: {r['concurrency']} clients, {r['policy']}: {r['tok_s']:.1f} tok/s, "
+                                   f"TTFT p50 {r['ttft_p50_s']:.2f} s · {time.monotonic() - t0:.0f} s", highlight=False))
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+        t = Table(title=f"kvtier bench-serve: {model}, {max_tokens} tokens max per request, {requests_per_client} "
+                        f"requests per client" + (f", server --max-batch {max_batch}" if url is None else ""))
+        for col in ("clients", "policy", "requests", "429", "tokens", "tok/s", "vs 1 client", "vs full",
+                    "TTFT p50 / p99 s", "ITL p50 / p99 ms"):
+            t.add_column(col)
+        f2 = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
+        for r in rows:
+            t.add_row(str(r["concurrency"]), r["policy"], str(r["requests"]), str(r["rejected_429"]), str(r["tokens"]),
+                      f"{r['tok_s']:.1f}", f2(r["tok_s_vs_lowest_concurrency"]), f2(r["tok_s_vs_full"]),
+                      f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}", f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f}")
+        wide = Console(width=200, record=True)
+        wide.print(t)
+        if json_out is not None:
+            import platform
+
+            cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+                       platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
+            _write_json(json_out, {"model": health.get("model", model), "device": health.get("device"), "cpu": cpu,
+                                   "dtype": health.get("dtype"), "max_tokens": max_tokens, "requests_per_client": requests_per_client,
+                              "max_batch": max_batch if url is None else None, "rows": rows})
+            json_out.with_suffix(".txt").write_text(wide.export_text())
+
+    _run(go)
+
+
 # ---- eval / sweep / report ---------------------------------------------------------------------------
 def _eval_progress_cb(progress: Progress, task):
     def cb(p):

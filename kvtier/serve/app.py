@@ -313,7 +313,9 @@ def create_app(engine: Engine, settings: ServeSettings):
     async def health():
         status = 503 if srv.draining else 200
         return JSONResponse({"status": "draining" if srv.draining else "ok", "model": settings.served_name,
-                             "queue": engine.queue_depth, "running": engine.running}, status_code=status)
+                             "queue": engine.queue_depth, "running": engine.running,
+                             "device": str(engine.model.device),
+                             "dtype": str(engine.model.dtype).removeprefix("torch.")}, status_code=status)
 
     @app.get("/metrics")
     async def metrics():
