@@ -145,6 +145,12 @@ def test_engine_batch_rows_equal_generate_and_finish_independently(tiny):
     assert sinks[0].end[1] == "cancelled"
     for s, ref_ids in zip(sinks[1:], ref[1:]):
         assert s.text == tok.decode(ref_ids, skip_special_tokens=True)
+    # a template that opened <think>: with no </think> in sight, everything is reasoning_content
+    s = _Collect()
+    eng.submit(GenRequest(prompt_ids=prompts[1], max_tokens=40, sink=s, policy="tiered", params=TIERED, in_think=True))
+    assert s.done.wait(60)
+    assert "".join(e[2] for e in s.events if e[0] == "delta") == tok.decode(ref[1], skip_special_tokens=True)
+    assert not "".join(e[1] for e in s.events if e[0] == "delta")
     eng.shutdown(grace_s=1)
     import gc
 
@@ -161,7 +167,10 @@ def test_engine_groups_by_settings_bounds_the_queue_and_times_out(tiny):
         eng.submit(r)
     with pytest.raises(QueueFull, match="max-queue 3"):
         eng.submit(mk())
-    assert [r.id for r in eng._take()] == [a.id, c.id]  # same settings share a batch, in arrival order
+    d = mk(policy="full")
+    eng.cancel(c)  # a client that hangs up while waiting frees its slot at once
+    eng.submit(d)
+    assert [r.id for r in eng._take()] == [a.id, d.id]  # same settings share a batch, in arrival order
     assert [r.id for r in eng.waiting] == [b.id]
     late = mk(deadline=time.monotonic() - 1)
     eng.waiting.appendleft(late)
@@ -272,6 +281,7 @@ def test_chat_and_completions_streamed_equal_whole_equal_generate(server, tiny):
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, 400, "max_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 65}, 400, "max_tokens must be <= 64"),
     ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "4096 positions"),
     ({"messages": [{"role": "user"}]}, 400, "messages.0.content"),
     ({"messages": [{"role": "user", "content": "x"}], "temperature": -1}, 400, "temperature"),
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n must be 1"),
@@ -322,14 +332,16 @@ def test_load_100_concurrent_streams_end_in_200_or_429_and_nothing_is_left(serve
     idle = _rss_mib(proc.pid)
 
     async def one(client, i):
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        hang_up = i % 10 == 0
+        async with client.stream("POST", url + "/v1/chat/completions",
+                                 json=dict(body, max_tokens=64) if hang_up else body) as r:
             if r.status_code != 200:
                 return r.status_code, r.headers.get("retry-after"), None
             lines = []
             async for line in r.aiter_lines():
                 if line.startswith("data: "):
                     lines.append(line[6:])
-                    if i % 10 == 0 and len(lines) == 2:
+                    if hang_up and len(lines) == 2:
                         return "gone", None, None  # hang up mid-stream
             return 200, None, lines
 
@@ -358,6 +370,8 @@ def test_load_100_concurrent_streams_end_in_200_or_429_and_nothing_is_left(serve
     assert m['kvtier_kv_bytes{location="device",tier="T0"}'] == 0
     assert m['kvtier_requests_total{endpoint="/v1/chat/completions",status="429"}'] == codes.count(429)
     assert _rss_mib(proc.pid) < idle + 150, (idle, _rss_mib(proc.pid))
+    if codes.count("gone"):  # at least one hang-up reached its row before the row's 64 tokens were done
+        assert m['kvtier_finished_requests_total{reason="cancelled"}'] >= 1, m
     ok = httpx.post(url + "/v1/chat/completions", json=dict(body, stream=False), timeout=60)
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
@@ -385,3 +399,24 @@ def test_sigterm_finishes_in_flight_streams_and_exits_zero():
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
     assert proc.wait(timeout=30) == 0
     assert "kvtier serve: stopped" in proc.stdout.read()
+
+
+def test_bench_serve_writes_one_row_per_level_and_policy(tmp_path):
+    """The load generator end to end on a tiny model (the committed numbers come from benchmarks/results/)."""
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    out = tmp_path / "bs.json"
+    res = CliRunner().invoke(app, ["bench-serve", "--model", "random:tiny-qwen2", "--dtype", "fp32", "--device", "cpu",
+                                   "--concurrency", "1,3", "--max-tokens", "6", "--requests-per-client", "2",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["concurrency"], r["policy"]) for r in rows] == [(1, "full"), (1, "tiered"), (3, "full"), (3, "tiered")]
+    for r in rows:
+        assert r["requests"] + r["rejected_429"] == 2 * r["concurrency"] and 0 < r["tokens"] <= 6 * r["requests"]
+        assert r["tok_s"] > 0 and r["ttft_p50_s"] <= r["ttft_p99_s"]
+    assert out.with_suffix(".txt").read_text().count("tiered") >= 2
+    res = CliRunner().invoke(app, ["bench-serve", "--concurrency", "0", "--json", str(out)])
+    assert res.exit_code == 2 and "--concurrency" in res.output

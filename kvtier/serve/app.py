@@ -374,7 +374,7 @@ async def _stream(srv: Server, req: GenRequest, q: asyncio.Queue, rid: str, chat
                 yield "data: [DONE]\n\n"
                 return
     finally:
-        req.cancel()  # no-op when the row already finished
+        srv.engine.cancel(req)  # no-op when the row already finished
 
 
 async def _whole(request, srv: Server, req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, endpoint: str):
@@ -387,7 +387,7 @@ async def _whole(request, srv: Server, req: GenRequest, q: asyncio.Queue, rid: s
                 ev = await asyncio.wait_for(q.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    req.cancel()
+                    srv.engine.cancel(req)
                     srv.count(endpoint, 499)
                     return JSONResponse({}, status_code=499)
                 continue
@@ -402,7 +402,7 @@ async def _whole(request, srv: Server, req: GenRequest, q: asyncio.Queue, rid: s
             reason, usage = ev[1], dict(ev[2], kvtier=dict(ev[2]["kvtier"], finish_reason=ev[1]))
             break
     finally:
-        req.cancel()
+        srv.engine.cancel(req)
     text, thought = "".join(content), "".join(reasoning)
     if chat:
         message: dict = {"role": "assistant", "content": text}

@@ -60,7 +60,7 @@ class EngineConfig:
             raise ValueError(f"batch_wait_s must be a number of seconds in [0, 10], got {self.batch_wait_s!r}")
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: two equal-looking requests are still two requests
 class GenRequest:
     """One request: prompt ids, limits, cache and sampling settings, and where its events go."""
 
@@ -280,6 +280,16 @@ class Engine:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.cfg.max_queue})")
             self.waiting.append(req)
             self._cv.notify()
+
+    def cancel(self, req: GenRequest) -> None:
+        """The client went away: a waiting request leaves the wait list now (its slot is free at once); a
+        running row is masked at the next step."""
+        req.cancel()
+        with self._cv:
+            try:
+                self.waiting.remove(req)
+            except ValueError:  # running or finished
+                pass
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking requests, let the running batch and the wait list finish for up to ``grace_s``, then
