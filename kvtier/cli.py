@@ -271,8 +271,17 @@ def serve(
         params = {**_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
                                    budget_ratio=budget_ratio), **_parse_params(param)}
         cap = _max_new(max_new_tokens, device)
+        _check_limits(model, cap)
         if not 1 <= port <= 65535:
             raise ValueError(f"--port must be an integer in [1, 65535], got {port}")
+        import socket
+
+        try:  # before minutes of model loading: is the address free?
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
         if grace < 0:
             raise ValueError(f"--grace must be >= 0 seconds, got {grace}")
         settings = ServeSettings(served_name=served_name or model, policy=policy, params=params, max_new_tokens=cap,

@@ -420,3 +420,33 @@ def test_bench_serve_writes_one_row_per_level_and_policy(tmp_path):
     assert out.with_suffix(".txt").read_text().count("tiered") >= 2
     res = CliRunner().invoke(app, ["bench-serve", "--concurrency", "0", "--json", str(out)])
     assert res.exit_code == 2 and "--concurrency" in res.output
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"), (["--port", "70000"], "--port"),
+    (["--hbm-ratio", "1.5"], "hbm_ratio"), (["--policy", "nope"], "policy"), (["--reasoning", "maybe"], "--reasoning"),
+    (["--request-timeout", "0"], "--request-timeout"), (["--batch-wait", "-1"], "--batch-wait"),
+    (["--grace", "-1"], "--grace"), (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--max-new-tokens", "5000"], "positions"), (["--param", "bogus=1"], "bogus"),
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens"), (["--model", "random:nope"], "preset"),
+])
+def test_bad_serve_flags_are_one_line_before_anything_listens(args, needle):
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "--model", "random:tiny-qwen2", "--port", str(_free_port()), *args])
+    assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
+
+
+def test_serve_refuses_a_port_in_use():
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        res = CliRunner().invoke(app, ["serve", "--model", "random:tiny-qwen2", "--port", str(port)])
+    assert res.exit_code == 2 and f"--port {port}: cannot listen there" in res.output

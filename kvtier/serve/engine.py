@@ -55,9 +55,9 @@ class EngineConfig:
         for name in ("max_batch", "max_queue", "stats_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {v!r}")
         if isinstance(self.batch_wait_s, bool) or not isinstance(self.batch_wait_s, (int, float)) or not 0 <= self.batch_wait_s <= 10:
-            raise ValueError(f"batch_wait_s must be a number of seconds in [0, 10], got {self.batch_wait_s!r}")
+            raise ValueError(f"batch_wait_s (--batch-wait) must be a number of seconds in [0, 10], got {self.batch_wait_s!r}")
 
 
 @dataclass(eq=False)  # compared by identity: two equal-looking requests are still two requests
