@@ -685,7 +685,9 @@ def sweep(
 def report(run_dir: Path = typer.Argument(..., help="a directory written by eval or sweep"),
            out: Optional[Path] = typer.Option(None, help="where to write (default: run_dir)"),
            html: bool = typer.Option(False, "--html", help="also write report.html: table, plots, completions by tier"),
-           html_problems: int = typer.Option(40, help="--html: problems shown side by side (per benchmark)")):
+           html_problems: int = typer.Option(40, help="--html: problems shown side by side (per benchmark)"),
+           claims: bool = typer.Option(False, "--claims", help="also write claims.md/.json: the seed paper's claims "
+                                       "beside this run's numbers, with a verdict each (the paper_cpu.json campaign)")):
     """Markdown/CSV/JSON summary with Wilson intervals and paired tests, PNG plots (``--html``: one page)."""
 
     def go():
@@ -693,13 +695,15 @@ def report(run_dir: Path = typer.Argument(..., help="a directory written by eval
 
         if html_problems < 0:
             raise ValueError(f"--html-problems must be an integer >= 0, got {html_problems}")
-        paths = write_report(run_dir, out, html=html, html_problems=html_problems)
+        paths = write_report(run_dir, out, html=html, html_problems=html_problems, claims=claims)
         console.print(paths["md"].read_text(), soft_wrap=True, markup=False, highlight=False)
         for k, p in paths.items():
             if p.suffix == ".png":
                 console.print(f"plot: {p}")
         if "html" in paths:
             console.print(f"report: {paths['html']}")
+        if "claims_md" in paths:
+            console.print(paths["claims_md"].read_text(), soft_wrap=True, markup=False, highlight=False)
 
     _run(go)
 

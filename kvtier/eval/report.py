@@ -188,7 +188,7 @@ def _fmt(x, pct=False):
 
 
 def write_report(run_dir: str | Path, out_dir: str | Path | None = None, html: bool = False,
-                 html_problems: int = 40) -> dict[str, Path]:
+                 html_problems: int = 40, claims: bool = False) -> dict[str, Path]:
     """Write summary.md, summary.csv, summary.json and PNG plots (and, with ``html``, report.html showing
     ``html_problems`` problems per benchmark side by side); returns their paths."""
     run_dir = Path(run_dir)
@@ -235,6 +235,10 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, html: b
                          f"{h['cochran_q']:.3g} | {h['p_value']:.3g} | {'yes' if h['identical_outputs'] else 'no'} |")
     paths["md"].write_text("\n".join(lines) + "\n")
     paths.update(plot_all(rows, out))
+    if claims:
+        from .claims import write_claims
+
+        paths.update(write_claims(records, out, model=rows[0]["key_inputs"].get("model", "") if rows[0].get("key_inputs") else ""))
     if html:
         from .report_html import write_html_report
 

@@ -1,0 +1,75 @@
+"""`kvtier report --claims`: each claim found by its configuration, tested on shared problems, judged by its rule."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.eval.claims import chain_lengths, evaluate, paired
+from kvtier.policies import get_policy
+
+
+def _cfg(policy, bench="gsm8k", correct=(), completions=None, n=40, gen=100, **params):
+    full = {**get_policy(policy).params(), **params}
+    key = f"{bench}|{policy}|{sorted(full.items())}"
+    return [{"config_key": key, "benchmark": bench, "policy": policy, "params": params,
+             "key_inputs": {"params": full, "model": "m"}, "id": f"p{i}", "sample": 0, "correct": i in correct,
+             "completion": (completions or {}).get(i, f"text {i} {i in correct}"), "generated_tokens": gen + i,
+             "prompt_tokens": 50, "max_new_tokens": 512} for i in range(n)]
+
+
+def test_verdicts_follow_their_rules():
+    right = set(range(20))  # full: 20/40
+    recs = _cfg("full", correct=right)
+    recs += _cfg("evict", correct={0}, evict_ratio=0.5)  # 1/40: a cliff
+    recs += _cfg("tiered", correct=right, hbm_ratio=0.3, evict_ratio=0.03)  # everything kept
+    for h in (0.3, 0.5, 0.7):  # ordered grid: identical across hbm, eviction costs 5 problems
+        recs += _cfg("tiered", correct=right, hbm_ratio=h, evict_ratio=0.1, attention="ordered")
+        recs += _cfg("tiered", correct=set(range(15)), hbm_ratio=h, evict_ratio=0.25, attention="ordered")
+    recs += _cfg("tiered", correct=right, hbm_ratio=0.3, evict_ratio=0.05)
+    recs += _cfg("quant", correct=set(range(5)), hbm_ratio=0.3, evict_ratio=0.05)  # int8: -37.5 points
+    recs += _cfg("tiered", correct=right, hbm_ratio=0.3, evict_ratio=0.03, protect_prompt=False)
+    for b in ("h2o", "rkv"):
+        recs += _cfg(b, correct={1}, budget_ratio=0.3, budget_floor=None)
+    rows = {r["claim"].split(":")[0]: r for r in evaluate(recs)}
+    assert rows["C1 eviction cliff"]["verdict"] == "reproduced"
+    assert rows["C2 tiering holds on gsm8k"]["verdict"] == "reproduced"
+    assert rows["C2 tiering holds on math500"]["verdict"] == "not testable here"  # no MATH-500 records
+    c3 = rows["C3 HBM independence"]
+    assert c3["verdict"] == "reproduced (bitwise)" and "40/40 completions identical" in c3["kvtier"]
+    assert c3["data"]["evict_spread"] == pytest.approx(5 / 40)
+    assert rows["C4 precision sensitivity"]["verdict"] == "reproduced"
+    assert rows["Baselines at equal device memory (hbm 0.3, prompt unprotected)"]["verdict"] == "reproduced"
+
+
+def test_verdicts_can_go_the_other_way():
+    right = set(range(20))
+    recs = _cfg("full", correct=right)
+    recs += _cfg("evict", correct=set(range(19)), evict_ratio=0.5)  # no cliff
+    recs += _cfg("tiered", correct=set(range(5)), hbm_ratio=0.3, evict_ratio=0.03)  # loses 15 of 20
+    recs += _cfg("full", bench="math500?shuffle=0", correct={1})  # full at 2.5%: too weak to judge
+    recs += _cfg("tiered", bench="math500?shuffle=0", correct={1}, hbm_ratio=0.3, evict_ratio=0.03)
+    for h in (0.3, 0.5, 0.7):  # one completion differs at hbm 0.7
+        comp = {3: "other"} if h == 0.7 else None
+        recs += _cfg("tiered", correct=right, completions=comp, hbm_ratio=h, evict_ratio=0.1, attention="ordered")
+        recs += _cfg("tiered", correct=right, hbm_ratio=h, evict_ratio=0.25, attention="ordered")
+    recs += _cfg("tiered", correct=right, hbm_ratio=0.3, evict_ratio=0.05)
+    recs += _cfg("quant", correct=right, hbm_ratio=0.3, evict_ratio=0.05)
+    recs += _cfg("tiered", correct={1}, hbm_ratio=0.3, evict_ratio=0.03, protect_prompt=False)
+    recs += _cfg("h2o", correct=right, budget_ratio=0.3, budget_floor=None)
+    rows = {r["claim"].split(":")[0]: r for r in evaluate(recs)}
+    assert rows["C1 eviction cliff"]["verdict"] == "not reproduced"
+    assert rows["C2 tiering holds on gsm8k"]["verdict"] == "not reproduced"
+    assert rows["C2 tiering holds on math500"]["verdict"] == "not testable here"
+    assert "below 10%" in rows["C2 tiering holds on math500"]["rule"]
+    assert rows["C3 HBM independence"]["verdict"] == "not reproduced"
+    assert rows["C4 precision sensitivity"]["verdict"] == "not reproduced"
+    assert rows["Baselines at equal device memory (hbm 0.3, prompt unprotected)"]["verdict"] == "not reproduced"
+
+
+def test_paired_uses_shared_problems_only_and_chain_lengths():
+    a = _cfg("full", correct={0, 1, 2}, n=10)
+    b = _cfg("evict", correct={0}, n=4, evict_ratio=0.5)
+    p = paired(a, b)
+    assert p["n"] == 4 and p["a"]["k"] == 3 and p["b"]["k"] == 1 and p["retention"] == pytest.approx(1 / 3)
+    (c,) = chain_lengths(a + b)
+    assert (c["n"], c["median"], c["max"], c["at_cap"]) == (10, 105, 109, 0)
