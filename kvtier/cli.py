@@ -624,7 +624,8 @@ def sweep(
 
         as_list = lambda v: v if isinstance(v, list) else [x.strip() for x in str(v).split(",") if x.strip()]  # noqa: E731
         dev, dt = opt("device"), opt("dtype")
-        resolve_dtype(dt, resolve_device(dev))
+        if not dry_run:  # a dry run may list a GPU campaign from a machine without one
+            resolve_dtype(dt, resolve_device(dev))
         skipped: list[str] = []
         cfgs = []
         for part in parts:

@@ -271,6 +271,16 @@ def test_chat_and_completions_streamed_equal_whole_equal_generate(server, tiny):
     ref = _reference(model, tok, [tok(raw).input_ids], 40, "evict", {k: v for k, v in ev.items() if k != "policy"})[0]
     assert whole.choices[0].text == streamed == tok.decode(ref, skip_special_tokens=True)
     assert whole.usage.model_extra["kvtier"]["policy"] == "evict"
+    # sampling with a seed: the same text again, whether alone or batched with other requests
+    import concurrent.futures as cf
+
+    ask = lambda seed: client.chat.completions.create(  # noqa: E731
+        model="random:tiny-qwen2", messages=msgs, max_tokens=24, temperature=0.9, top_p=0.95, seed=seed
+    ).choices[0].message.content
+    alone = ask(7)
+    with cf.ThreadPoolExecutor(4) as ex:
+        together = list(ex.map(ask, [7, 8, 7, 9]))
+    assert together[0] == together[2] == alone and len({alone, together[1], together[3]}) == 3
 
 
 @pytest.mark.parametrize("body, status, needle", [

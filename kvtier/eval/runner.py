@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 __all__ = ["EvalConfig", "RECORDS", "load_all", "read_records", "run_eval", "validate_policy"]
 
 
+SAMPLER = "row-seeded-v1"  # kvtier.eval.sampling.RowSampler: temperature, top-p, one generator per row
+
+
 def validate_policy(policy: str, params: dict) -> dict:
     """Names *and* values of a policy's parameters, checked without a model (a throwaway one-layer cache);
     returns the parameters with every default filled in."""
@@ -101,6 +104,7 @@ class EvalConfig:
             "temperature": float(self.temperature),
             "top_p": float(self.top_p) if self.temperature > 0 else 1.0,
             "seed": self.seed if self.temperature > 0 else 0,  # greedy decoding uses no randomness
+            **({"sampler": SAMPLER} if self.temperature > 0 else {}),
         }
 
     def key(self, identity: dict, problem_set: str = "") -> str:
@@ -244,10 +248,8 @@ def _run_todo(model, tok, todo, path: Path, batch_size: int, identity: dict, set
         i = 0
         while i < total:
             c, key = todo[i][0], todo[i][1]
-            # sampled runs: one (problem, sample) at a time, each from its own seed
-            size = 1 if c.temperature > 0 else batch_size
             batch = [todo[i]]
-            while len(batch) < size and i + len(batch) < total and todo[i + len(batch)][1] == key:
+            while len(batch) < batch_size and i + len(batch) < total and todo[i + len(batch)][1] == key:
                 batch.append(todo[i + len(batch)])
             i += len(batch)
             recs = _run_batch(model, tok, c, key, batch, c.key_inputs(identity, sets[c.benchmark]))
@@ -283,11 +285,14 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
     enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
     cache = kvtier.make_cache(c.policy, model, **c.params)
     gen = dict(max_new_tokens=c.max_new_tokens, pad_token_id=tok.pad_token_id)
-    if c.temperature > 0:
-        torch.manual_seed(sample_seed(c.seed, batch[0][2].id, batch[0][3]))
-        gen.update(do_sample=True, temperature=c.temperature, top_p=c.top_p)
-    else:
-        gen.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    gen.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if c.temperature > 0:  # every row draws from its own (problem, sample) seed, whatever shares its batch
+        from transformers import LogitsProcessorList
+
+        from .sampling import RowSampler
+
+        seeds = [sample_seed(c.seed, p.id, s) for _, _, p, s, _ in batch]
+        gen["logits_processor"] = LogitsProcessorList([RowSampler(seeds, c.temperature, c.top_p, model.device)])
     if model.device.type == "cuda":
         torch.cuda.synchronize()
     t = time.perf_counter()

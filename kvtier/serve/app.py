@@ -95,6 +95,7 @@ def _schemas():
         stream_options: Optional[StreamOptions] = None
         stop: Union[str, list[str], None] = None
         n: int = 1
+        seed: Optional[int] = None
         logprobs: Optional[Any] = None
         kvtier: Optional[dict] = None
 
@@ -199,6 +200,7 @@ class Server:
 
         req = GenRequest(prompt_ids=list(ids), max_tokens=int(max_tokens), sink=lambda ev: None, policy=policy,
                          params=params, temperature=float(body.temperature), top_p=float(body.top_p), stop=stop,
+                         seed=body.seed,
                          deadline=time.monotonic() + self.s.request_timeout_s,
                          separate_reasoning=self.s.reasoning == "separate" and chat,
                          in_think=chat and prompt_opens_think(prompt))

@@ -72,6 +72,7 @@ class GenRequest:
     temperature: float = 0.0
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
+    seed: int | None = None  # sampling: the row's own generator (None: a fresh random seed)
     deadline: float = float("inf")  # time.monotonic() after which the request ends with "timeout"
     separate_reasoning: bool = True
     in_think: bool = False
@@ -364,10 +365,16 @@ class Engine:
             rows = _Rows(self, batch, cache, n, self.eos)
             gen: dict = dict(max_new_tokens=max(r.max_tokens for r in batch), pad_token_id=self.pad_id,
                              stopping_criteria=StoppingCriteriaList([rows]))
-            if batch[0].temperature > 0:
-                gen.update(do_sample=True, temperature=batch[0].temperature, top_p=batch[0].top_p, top_k=None)
-            else:
-                gen.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            gen.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            if batch[0].temperature > 0:  # each row samples from its own seed: what it would draw alone
+                import random
+
+                from transformers import LogitsProcessorList
+
+                from ..eval.sampling import RowSampler
+
+                seeds = [r.seed if r.seed is not None else random.getrandbits(62) for r in batch]
+                gen["logits_processor"] = LogitsProcessorList([RowSampler(seeds, batch[0].temperature, batch[0].top_p, dev)])
             self.metrics.batches += 1
             self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in batch)
             with torch.no_grad():
