@@ -316,6 +316,11 @@ def test_sweep_parts_are_sub_grids_of_one_run(tmp_path):
                      "recent_window": 2, "retier_interval": 4}, sort_keys=True)
     assert got == sorted([("full", "gsm8k-0", "{}"), ("full", "gsm8k-1", "{}"),  # full once, at the larger limit
                           ("tiered", "gsm8k-0", t1), ("tiered", "gsm8k-1", t1), ("tiered", "gsm8k-0", t2)])
+    res = runner.invoke(app, ["report", str(out), "--claims"])
+    assert res.exit_code == 0, res.output
+    md = (out / "claims.md").read_text()
+    assert md.count("**not testable here**") == 6 and "| gsm8k | 2 |" in md  # no claim's configurations; 2 chains
+    assert json.loads((out / "claims.json").read_text())["chains"][0]["n"] == 2
     for bad, message in (({"parts": [{"policy": "full", "batch_size": 2}]}, "whole run"),
                          ({"parts": []}, "non-empty list"),
                          ({"parts": [{"policy": "full", "bogus": 1}]}, "parts[0]: unknown key(s) ['bogus']")):
