@@ -62,3 +62,21 @@ def test_hand_over_is_tied_to_the_key_tensor():
     assert compat.take_over(a) is None  # and the hand-over is gone after one look
     compat.hand_over("layer", a)
     assert compat.take_over(a) == "layer"
+
+
+def test_the_source_needs_no_python_newer_than_3_10():
+    """pyproject says Python 3.10 - 3.12; only 3.11 runs here, so the 3.10 floor is checked statically (vermin:
+    every stdlib module, function and syntax the code uses). tomllib (3.11) is the one exception, imported behind an
+    ImportError guard that names the alternative (a JSON config)."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("vermin")
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())", "--no-tips", "--violations", "-t=3.10-", "--eval-annotations",
+                          "--exclude", "tomllib", "kvtier", "tests", "benchmarks"], cwd=root, capture_output=True, text=True)
+    assert res.returncode == 0, res.stdout + res.stderr
+    sweep = (root / "kvtier" / "eval" / "sweep.py").read_text()
+    assert re.search(r"try:\n\s+import tomllib\n\s+except ImportError:", sweep)
