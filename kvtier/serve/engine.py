@@ -139,16 +139,15 @@ def _kv_by_location(stats: dict) -> dict[tuple[str, str], int]:
 class _Rows:
     """The batch's rows, stepped by generate: a ``StoppingCriteria`` (``(input_ids, scores) -> done (B,)``)."""
 
-    def __init__(self, engine: "Engine", batch: list[GenRequest], cache, prompt_len: int, eos: set[int]):
+    def __init__(self, engine: "Engine", batch: list[GenRequest], cache, eos: set[int]):
         from .text import Assembler, Detokenizer
 
-        self.engine, self.batch, self.cache, self.prompt_len, self.eos = engine, batch, cache, prompt_len, eos
+        self.engine, self.batch, self.cache, self.eos = engine, batch, cache, eos
         self.detok = [Detokenizer(engine.tokenizer) for _ in batch]
         self.text = [Assembler(r.stop, r.separate_reasoning, r.in_think) for r in batch]
         self.done = [False] * len(batch)
         self.steps = 0
         self.last = {"streamed": 0, "moved": 0, "retiers": 0}
-        self.started = time.monotonic()
 
     def __call__(self, input_ids: torch.Tensor, scores=None, **kw) -> torch.Tensor:
         new = input_ids[:, -1].tolist()  # the tokens go to the host anyway: they are streamed
@@ -211,8 +210,8 @@ class _Rows:
                 "params": dict(r.params),
                 "batch_size": len(self.batch),
                 "tier_tokens": self.cache.row_tokens(i),
-                "peak_device_kv_bytes": stats.get("peak_device_kv_bytes"),
-                "streamed_bytes": stats["transfer"]["stream_h2d_bytes"] / len(self.batch),
+                "batch_peak_device_kv_bytes": stats.get("peak_device_kv_bytes"),  # the whole batch's, so far
+                "streamed_bytes": stats["transfer"]["stream_h2d_bytes"] / len(self.batch),  # per row: batch / rows
                 "moved_bytes": (stats["transfer"]["migration_h2d_bytes"] + stats["transfer"]["migration_d2h_bytes"])
                 / len(self.batch),
                 "reassignments": stats.get("retiers", 0),
@@ -362,7 +361,7 @@ class Engine:
         try:
             cache = kvtier.make_cache(batch[0].policy, self.model, **batch[0].params)
             self.live_caches.add(cache)
-            rows = _Rows(self, batch, cache, n, self.eos)
+            rows = _Rows(self, batch, cache, self.eos)
             gen: dict = dict(max_new_tokens=max(r.max_tokens for r in batch), pad_token_id=self.pad_id,
                              stopping_criteria=StoppingCriteriaList([rows]))
             gen.update(do_sample=False, temperature=None, top_p=None, top_k=None)
