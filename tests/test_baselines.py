@@ -38,10 +38,11 @@ def test_registry_lists_every_policy():
 @pytest.mark.parametrize("policy", sorted(FULL_BUDGET))
 def test_full_budget_equals_full(qwen2, policy):
     ids, mask = _padded_pair()
-    # the tiered family's split attention sums in another order than the full cache's SDPA (tested elsewhere
-    # within 2e-5); the ordered path isolates what this test is about: nothing is evicted
+    # the reference is the full cache's ordered path (one explicit softmax over the gathered tokens): the fused
+    # SDPA kernel of its split mode sums in another order (within 2e-5, tested elsewhere), and this test is about
+    # something else: at a full budget nothing is evicted
     modes = {"attention": "ordered"} if policy in ("tiered", "evict", "quant") else {}
-    _, ref, _ = generate(qwen2, "full", ids, new_tokens=96, attention_mask=mask, **modes)
+    _, ref, _ = generate(qwen2, "full", ids, new_tokens=96, attention_mask=mask, attention="ordered")
     _, logits, cache = generate(qwen2, policy, ids, new_tokens=96, attention_mask=mask, **FULL_BUDGET[policy], **modes)
     assert cache.stats()["tokens"]["T3"] == 0
     assert (logits - ref).abs().max().item() <= 1e-5
