@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .engine import Engine, GenRequest, QueueFull, ShuttingDown
@@ -252,18 +251,6 @@ def create_app(engine: Engine, settings: ServeSettings):
     def error(e: APIError, endpoint: str) -> JSONResponse:
         srv.count(endpoint, e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-        if first.get("type") == "json_invalid":
-            msg, param = f"the body is not valid JSON ({first.get('msg', '')})", None
-        else:
-            param = ".".join(loc) or None
-            msg = f"{param or 'body'}: {first.get('msg', 'invalid')}"
-        return error(APIError(400, msg, param), request.url.path)
 
     async def _parse(request: Request, schema):
         try:

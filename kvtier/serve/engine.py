@@ -131,8 +131,7 @@ class Metrics:
 
 def _kv_by_location(stats: dict) -> dict[tuple[str, str], int]:
     b = stats.get("bytes", {})
-    t0_where = "device"
-    return {("T0", t0_where): int(b.get("T0", 0)), ("T1", "host"): int(b.get("T1", 0)),
+    return {("T0", "device"): int(b.get("T0", 0)), ("T1", "host"): int(b.get("T1", 0)),
             ("T2", "host"): int(b.get("T2", 0))}
 
 
@@ -162,11 +161,10 @@ class _Rows:
             if self.done[i]:
                 continue
             tok = new[i]
+            produced += 1
             if tok in self.eos:
-                produced += 1
                 self._finish(i, "stop", counted=1)
                 continue
-            produced += 1
             piece = self.detok[i].push(tok)
             if piece:
                 self._send(i, piece)
