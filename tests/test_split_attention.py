@@ -75,9 +75,10 @@ def test_split_matches_ordered(model_name, request):
         d_log = (log_s - log_o).abs().max().item()
         d_sc = ((c_s.scores() - c_o.scores()).abs() / c_o.scores().abs().clamp_min(1.0)).max().item()
         # int8 is discontinuous: K/V that differ by float32 rounding can land on adjacent int8 levels (one step is
-        # absmax/127), so with T2 the paths agree to a quantization step's effect, not to rounding
+        # absmax/127), so with T2 the paths agree to a quantization step's effect, not to rounding (measured worst:
+        # 2e-4 with the eager partials, 2.2e-3 Llama with the fused CPU kernel, whose rounding differs more);
         # without T2: float32 rounding drifting through 128 steps (measured worst: 8.9e-6 Qwen2, 1.2e-5 Llama)
-        assert d_log <= (2e-5 if quant == 0 else 2e-4), f"{what}: logits differ by {d_log}"
+        assert d_log <= (2e-5 if quant == 0 else 5e-3), f"{what}: logits differ by {d_log}"
         assert d_sc <= 2e-6, f"{what}: scores differ by {d_sc}"  # measured worst here: 1.0e-6
         worst = {"logits": max(worst["logits"], d_log), "scores": max(worst["scores"], d_sc)}
         print(what, f"logits {d_log:.2e} scores {d_sc:.2e}")
@@ -101,17 +102,18 @@ def test_split_scores_follow_the_merged_softmax(qwen2):
 
 
 # ---- T1 where it lives -----------------------------------------------------------------------------
-@pytest.mark.parametrize("threaded", [False, True])
-def test_host_t1_matches_streamed_t1(qwen2, threaded):
+@pytest.mark.parametrize("threaded, kernel", [(False, "fused"), (False, "eager"), (True, "eager")])
+def test_host_t1_matches_streamed_t1(qwen2, threaded, kernel):
     """Acceptance 2: T1/T2 attended on the host (inline, or on a worker thread as on CUDA) vs streamed to the
-    device: logits within 1e-6, identical tier placements after every one of 128 steps."""
+    device: logits within 1e-6, identical tier placements after every one of 128 steps; with the fused CPU kernel
+    and with the eager partials (the CUDA code path)."""
     ids = prompt_ids(batch=2, length=20, seed=8)
     params = dict(hbm_ratio=0.2, evict_ratio=0.1, quant_ratio=0.1, retier_interval=8, recent_window=8, sink_tokens=2,
                   protect_prompt=False)
     maps = {}
 
     def run(mode, **extra):
-        cache = kvtier.make_cache("tiered", qwen2, t1_attention=mode, **params)
+        cache = kvtier.make_cache("tiered", qwen2, t1_attention=mode, kernel=kernel, **params)
         if extra:
             cache.state.host_threaded = extra["threaded"]
         seen = []
@@ -129,6 +131,7 @@ def test_host_t1_matches_streamed_t1(qwen2, threaded):
     assert sh["transfer"]["stream_h2d_bytes"] == 0 < ss["transfer"]["stream_h2d_bytes"]
     assert sh["t1_attention"]["host_jobs"] >= 2 * 100  # every layer, every step after the placement
     assert c_h.state.host.threaded is threaded
+    assert sh["kernel"]["current"] == ss["kernel"]["current"] == kernel
 
 
 def test_auto_picks_host_on_cpu(qwen2):

@@ -26,6 +26,7 @@ class EvictPolicy(Policy):
         recent_window: int = 128,
         protect_prompt: bool = True,
         attention: str = "split",
+        kernel: str = "auto",
     ) -> KVTierCache:
         cfg = TierConfig(0.0, 0.0, evict_ratio, retier_interval, sink_tokens, recent_window, protect_prompt, rest_tier="T0")
-        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name, attention=attention)
+        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name, attention=attention, kernel=kernel)

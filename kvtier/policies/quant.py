@@ -28,6 +28,8 @@ class QuantPolicy(Policy):
         protect_prompt: bool = True,
         attention: str = "split",
         t1_attention: str = "auto",
+        kernel: str = "auto",
     ) -> KVTierCache:
         cfg = TierConfig(hbm_ratio, 0.0, evict_ratio, retier_interval, sink_tokens, recent_window, protect_prompt, rest_tier="T2")
-        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name, attention=attention, t1_attention=t1_attention)
+        return KVTierCache(cfg, num_layers, retier=True, policy=cls.name, attention=attention, t1_attention=t1_attention,
+                           kernel=kernel)

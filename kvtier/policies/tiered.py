@@ -9,6 +9,11 @@ reference). ``t1_attention`` says where T1 (and T2) are attended in split mode: 
 device each step, ``"host"`` attends them on the host and sends back one small partial, ``"auto"`` picks per
 reassignment from measured bandwidths (on a CPU-only machine: ``"host"``, i.e. in place).
 
+``kernel`` chooses the split step's implementation: ``"auto"`` (default) runs the fused CPU kernel
+(:mod:`kvtier.fused_cpu`: every region in one call, scores included) when the cache lives on a CPU and the kernel
+builds, else the eager partials of :mod:`kvtier.decode_attention`; ``"eager"`` always the latter; ``"fused"``
+insists (an error where it cannot run).
+
 ``t1_on_device=True`` keeps a device copy of the host tiers between reassignments: T1/T2 then cross the bus
 once per reassignment instead of every step, at the price of device memory (that of the full cache). Outputs
 are unchanged; the benchmark shows the trade.
@@ -39,7 +44,8 @@ class TieredPolicy(Policy):
         t1_on_device: bool = False,
         attention: str = "split",
         t1_attention: str = "auto",
+        kernel: str = "auto",
     ) -> KVTierCache:
         cfg = TierConfig(hbm_ratio, quant_ratio, evict_ratio, retier_interval, sink_tokens, recent_window, protect_prompt)
         return KVTierCache(cfg, num_layers, retier=True, policy=cls.name, t1_on_device=t1_on_device,
-                           attention=attention, t1_attention=t1_attention)
+                           attention=attention, t1_attention=t1_attention, kernel=kernel)

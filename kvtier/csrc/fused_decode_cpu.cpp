@@ -1,0 +1,353 @@
+// Fused decode attention over several KV regions on the CPU, with the cumulative score update.
+//
+// One call per layer and decode step replaces ~50 small eager ops (partials, log-sum-exp merge, weight folds):
+// for every (row b, kv-head h) the g query heads of the group attend the union of the regions as one softmax
+// (float32 statistics), the normalised output is written, and each kept key's merged weight summed over the
+// group's query heads is added, summed over kv-heads in a fixed order, to scores[b, pos[b, j]] (float64).
+// Masked columns (bias -inf) are skipped, never read: their K/V may be stale or uninitialised.
+// The eager reference is decode_attention.partial/merge/add_weights; tests compare the two.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline float bf16_to_float(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// A row of D values as float32: the pointer itself for float, else converted into tmp.
+template <typename T>
+inline const float* as_float(const T* src, float* tmp, int64_t D);
+
+template <>
+inline const float* as_float<float>(const float* src, float*, int64_t) { return src; }
+
+template <>
+inline const float* as_float<c10::BFloat16>(const c10::BFloat16* src, float* tmp, int64_t D) {
+  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
+  for (int64_t d = 0; d < D; ++d) tmp[d] = bf16_to_float(s[d]);
+  return tmp;
+}
+
+// 16 independent lanes so that the compiler vectorises without reassociating one running sum.
+inline float dot(const float* a, const float* b, int64_t D) {
+  float acc[16] = {0.f};
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16)
+    for (int u = 0; u < 16; ++u) acc[u] += a[d + u] * b[d + u];
+  float s = 0.f;
+  for (int u = 0; u < 16; ++u) s += acc[u];
+  for (; d < D; ++d) s += a[d] * b[d];
+  return s;
+}
+
+// GCC/clang vector extensions: 16 floats, lowered to whatever the -march target has (one zmm, two ymm, ...).
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v4 __attribute__((vector_size(16)));
+
+inline v16 ld16(const float* p) {
+  v16 x;
+  std::memcpy(&x, p, sizeof x);
+  return x;
+}
+
+inline void st16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+
+// the four sums of four 16-lane accumulators, in one shuffle tree (cheaper than four horizontal sums)
+inline v4 hsum4(v16 a, v16 b, v16 c, v16 d) {
+  const v8 a8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 b8 = __builtin_shufflevector(b, b, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(b, b, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 c8 = __builtin_shufflevector(c, c, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(c, c, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 d8 = __builtin_shufflevector(d, d, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(d, d, 8, 9, 10, 11, 12, 13, 14, 15);
+  const v8 ab = __builtin_shufflevector(a8, b8, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(a8, b8, 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8 cd = __builtin_shufflevector(c8, d8, 0, 1, 2, 3, 8, 9, 10, 11) + __builtin_shufflevector(c8, d8, 4, 5, 6, 7, 12, 13, 14, 15);
+  const v8 x = __builtin_shufflevector(ab, cd, 0, 1, 8, 9, 4, 5, 12, 13) + __builtin_shufflevector(ab, cd, 2, 3, 10, 11, 6, 7, 14, 15);
+  const v4 r = __builtin_shufflevector(x, x, 0, 2, 4, 6) + __builtin_shufflevector(x, x, 1, 3, 5, 7);  // a c b d
+  return __builtin_shufflevector(r, r, 0, 2, 1, 3);
+}
+
+inline float sum(const float* a, int64_t n) {
+  float acc[16] = {0.f};
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16)
+    for (int u = 0; u < 16; ++u) acc[u] += a[j + u];
+  float s = 0.f;
+  for (int u = 0; u < 16; ++u) s += acc[u];
+  for (; j < n; ++j) s += a[j];
+  return s;
+}
+
+// exp(x) for x <= 0 (x = s - max); exactly 0 below -87 (and for -inf). Range reduction x = n ln2 + r and a
+// degree-6 polynomial for exp(r) on |r| <= ln2/2 (relative error ~2e-7); branch-free so loops vectorise.
+inline float exp_nonpos(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  // n = round(xc / ln2) by the 1.5 * 2^23 trick: pure arithmetic (a floor() call keeps GCC from vectorising),
+  // and n's integer sits in f's low mantissa bits
+  const float f = xc * 1.44269504088896341f + 12582912.f;
+  const float n = f - 12582912.f;
+  const float r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.f;
+  int32_t fi;
+  std::memcpy(&fi, &f, sizeof fi);
+  const int32_t bits = (fi - 0x4B400000 + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : y * scale;
+}
+
+struct Region {
+  const void* k;
+  const void* v;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;  // element strides of (B, H, C) (the last dim is contiguous)
+  const float* bias;
+  int64_t bs0;  // bias row stride
+  const int64_t* pos;
+  int64_t ps0;
+  int64_t C;
+  double* scores;  // accumulator of this region's positions (B, N + 1), row stride ss0
+  int64_t ss0;
+};
+
+template <typename T>
+void run(const float* q, float* out, float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t g,
+         int64_t D, int64_t Ctot, float scaling, bool want_scores) {
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf;
+    s_buf.resize(static_cast<size_t>(g * Ctot));
+    tmp_buf.resize(static_cast<size_t>(4 * D));
+    o_buf.resize(static_cast<size_t>(g * D));
+    m_buf.resize(static_cast<size_t>(g));
+    l_buf.resize(static_cast<size_t>(g));
+    float* s = s_buf.data();
+    float* tmp = tmp_buf.data();
+    float* o = o_buf.data();
+    float* m = m_buf.data();
+    float* l = l_buf.data();
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / H, h = t % H;
+      const float* qh = q + t * g * D;  // q is (B, H, g, D) contiguous
+      for (int64_t gi = 0; gi < g; ++gi) m[gi] = kNegInf;
+      // pass 1: logits, running max. Blocks of 4 keys share each query load (D a multiple of 16); a masked
+      // column's logit is computed from whatever its slot holds and then replaced by -inf.
+      int64_t off = 0;
+      for (const Region& r : regs) {
+        const T* kb = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
+        const float* bias = r.bias + b * r.bs0;
+        int64_t j = 0;
+        if (D % 16 == 0) {
+          for (; j + 4 <= r.C; j += 4) {
+            if (bias[j] == kNegInf && bias[j + 1] == kNegInf && bias[j + 2] == kNegInf && bias[j + 3] == kNegInf) {
+              for (int64_t gi = 0; gi < g; ++gi)
+                for (int u = 0; u < 4; ++u) s[gi * Ctot + off + j + u] = kNegInf;
+              continue;
+            }
+            const float* k0 = as_float<T>(kb + j * r.ks2, tmp, D);
+            const float* k1 = as_float<T>(kb + (j + 1) * r.ks2, tmp + D, D);
+            const float* k2 = as_float<T>(kb + (j + 2) * r.ks2, tmp + 2 * D, D);
+            const float* k3 = as_float<T>(kb + (j + 3) * r.ks2, tmp + 3 * D, D);
+            for (int64_t gi = 0; gi < g; ++gi) {
+              const float* qg = qh + gi * D;
+              v16 a = {}, c1 = {}, c2 = {}, c3 = {};
+              for (int64_t t4 = 0; t4 < D; t4 += 16) {
+                const v16 qv = ld16(qg + t4);
+                a += qv * ld16(k0 + t4);
+                c1 += qv * ld16(k1 + t4);
+                c2 += qv * ld16(k2 + t4);
+                c3 += qv * ld16(k3 + t4);
+              }
+              const v4 dots = hsum4(a, c1, c2, c3);
+              for (int u = 0; u < 4; ++u) {
+                const float bj = bias[j + u];
+                const float x = bj == kNegInf ? kNegInf : dots[u] * scaling + bj;
+                s[gi * Ctot + off + j + u] = x;
+                m[gi] = x > m[gi] ? x : m[gi];
+              }
+            }
+          }
+        }
+        for (; j < r.C; ++j) {
+          const float bj = bias[j];
+          if (bj == kNegInf) {
+            for (int64_t gi = 0; gi < g; ++gi) s[gi * Ctot + off + j] = kNegInf;
+            continue;
+          }
+          const float* kr = as_float<T>(kb + j * r.ks2, tmp, D);
+          for (int64_t gi = 0; gi < g; ++gi) {
+            const float x = dot(qh + gi * D, kr, D) * scaling + bj;
+            s[gi * Ctot + off + j] = x;
+            m[gi] = x > m[gi] ? x : m[gi];
+          }
+        }
+        off += r.C;
+      }
+      // pass 2: exp(s - m) in place, sums (a row without any key gets weights 0 and output 0, never NaN)
+      for (int64_t gi = 0; gi < g; ++gi) {
+        float* sg = s + gi * Ctot;
+        const float mg = m[gi] == kNegInf ? 0.f : m[gi];
+        for (int64_t j = 0; j < Ctot; ++j) sg[j] = exp_nonpos(sg[j] - mg);  // no reduction here: vectorises
+        l[gi] = sum(sg, Ctot);
+      }
+      // pass 3: values. Blocks of 4 kept keys update each output chunk once; a block with a masked column goes
+      // key by key and never reads the masked one (its slot may hold anything).
+      std::fill(o, o + g * D, 0.f);
+      off = 0;
+      for (const Region& r : regs) {
+        const T* vb = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
+        const float* bias = r.bias + b * r.bs0;
+        int64_t j = 0;
+        if (D % 16 == 0) {
+          for (; j + 4 <= r.C; j += 4) {
+            if (bias[j] == kNegInf || bias[j + 1] == kNegInf || bias[j + 2] == kNegInf || bias[j + 3] == kNegInf) {
+              for (int u = 0; u < 4; ++u) {
+                if (bias[j + u] == kNegInf) continue;
+                const float* vr = as_float<T>(vb + (j + u) * r.vs2, tmp, D);
+                for (int64_t gi = 0; gi < g; ++gi) {
+                  const float e = s[gi * Ctot + off + j + u];
+                  float* og = o + gi * D;
+                  for (int64_t d = 0; d < D; ++d) og[d] += e * vr[d];
+                }
+              }
+              continue;
+            }
+            const float* w0 = as_float<T>(vb + j * r.vs2, tmp, D);
+            const float* w1 = as_float<T>(vb + (j + 1) * r.vs2, tmp + D, D);
+            const float* w2 = as_float<T>(vb + (j + 2) * r.vs2, tmp + 2 * D, D);
+            const float* w3 = as_float<T>(vb + (j + 3) * r.vs2, tmp + 3 * D, D);
+            for (int64_t gi = 0; gi < g; ++gi) {
+              const float* eg = s + gi * Ctot + off + j;
+              const float e0 = eg[0], e1 = eg[1], e2 = eg[2], e3 = eg[3];
+              float* og = o + gi * D;
+              for (int64_t t4 = 0; t4 < D; t4 += 16)
+                st16(og + t4, ld16(og + t4) + e0 * ld16(w0 + t4) + e1 * ld16(w1 + t4) + e2 * ld16(w2 + t4) +
+                                  e3 * ld16(w3 + t4));
+            }
+          }
+        }
+        for (; j < r.C; ++j) {
+          if (bias[j] == kNegInf) continue;
+          const float* vr = as_float<T>(vb + j * r.vs2, tmp, D);
+          for (int64_t gi = 0; gi < g; ++gi) {
+            const float e = s[gi * Ctot + off + j];
+            float* og = o + gi * D;
+            for (int64_t d = 0; d < D; ++d) og[d] += e * vr[d];
+          }
+        }
+        off += r.C;
+      }
+      float* oh = out + t * g * D;
+      for (int64_t gi = 0; gi < g; ++gi) {
+        const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
+        for (int64_t d = 0; d < D; ++d) oh[gi * D + d] = o[gi * D + d] * inv;
+      }
+      if (want_scores) {
+        // merged weight of each key summed over the group's query heads: w[b, h, j] (B, H, Ctot)
+        float* wh = w + t * Ctot;
+        std::fill(wh, wh + Ctot, 0.f);
+        for (int64_t gi = 0; gi < g; ++gi) {
+          const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
+          const float* sg = s + gi * Ctot;
+          for (int64_t j = 0; j < Ctot; ++j) wh[j] += sg[j] * inv;
+        }
+      }
+    }
+  });
+}
+
+void fold_scores(const float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t Ctot,
+                 double scale) {
+  // rows are independent; within a row kv-heads are summed in order, so the result does not depend on threads
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      int64_t off = 0;
+      for (const Region& r : regs) {
+        const float* bias = r.bias + b * r.bs0;
+        const int64_t* pos = r.pos + b * r.ps0;
+        double* sc = r.scores + b * r.ss0;
+        for (int64_t j = 0; j < r.C; ++j) {
+          if (bias[j] == kNegInf) continue;
+          double acc = 0.0;
+          for (int64_t h = 0; h < H; ++h) acc += static_cast<double>(w[(b * H + h) * Ctot + off + j]);
+          sc[pos[j]] += scale * acc;
+        }
+        off += r.C;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q (B, H, g, D) float32 contiguous; ks/vs (B, H, C_r, D) float32 or bfloat16 (same for all), last dim contiguous;
+// biases (B, 1, 1, C_r) float32 (0 kept, -inf masked); poss (B, C_r) int64; scores: one (B, N + 1) float64
+// accumulator per region (or an empty list: no scores). Returns the normalised output (B, H, g, D) float32.
+torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
+                           std::vector<torch::Tensor> biases, std::vector<torch::Tensor> poss,
+                           std::vector<torch::Tensor> scores, double score_scale, double scaling) {
+  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, g, D) float32 contiguous");
+  const int64_t B = q.size(0), H = q.size(1), g = q.size(2), D = q.size(3);
+  const size_t R = ks.size();
+  TORCH_CHECK(R >= 1 && vs.size() == R && biases.size() == R && poss.size() == R, "one k, v, bias, pos per region");
+  const bool want_scores = !scores.empty();
+  TORCH_CHECK(!want_scores || scores.size() == R, "scores: one accumulator per region, or none");
+  const auto kv_type = ks[0].scalar_type();
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16, "k/v: float32 or bfloat16");
+  std::vector<Region> regs;
+  int64_t Ctot = 0;
+  for (size_t i = 0; i < R; ++i) {
+    const auto &k = ks[i], &v = vs[i], &bias = biases[i], &pos = poss[i];
+    TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == B && k.size(1) == H && k.size(3) == D,
+                "region ", i, ": k/v must be (B, H, C, D) matching q");
+    TORCH_CHECK(k.scalar_type() == kv_type && v.scalar_type() == kv_type, "region ", i, ": one k/v dtype");
+    TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "region ", i, ": k/v last dim must be contiguous");
+    const int64_t C = k.size(2);
+    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(3) == C && bias.scalar_type() == at::kFloat &&
+                    bias.stride(3) == 1, "region ", i, ": bias must be (B, 1, 1, C) float32");
+    TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == C && pos.scalar_type() == at::kLong &&
+                    pos.stride(1) == 1, "region ", i, ": pos must be (B, C) int64");
+    Region r{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+             v.stride(2), bias.data_ptr<float>(), bias.stride(0), pos.data_ptr<int64_t>(), pos.stride(0), C,
+             nullptr, 0};
+    if (want_scores) {
+      const auto& sc = scores[i];
+      TORCH_CHECK(sc.dim() == 2 && sc.size(0) == B && sc.scalar_type() == at::kDouble && sc.stride(1) == 1,
+                  "region ", i, ": scores must be (B, N + 1) float64");
+      r.scores = sc.data_ptr<double>();
+      r.ss0 = sc.stride(0);
+    }
+    regs.push_back(r);
+    Ctot += C;
+  }
+  auto out = torch::empty({B, H, g, D}, q.options());
+  torch::Tensor w;
+  if (want_scores) w = torch::empty({B, H, Ctot}, q.options());
+  float* wp = want_scores ? w.data_ptr<float>() : nullptr;
+  if (kv_type == at::kFloat)
+    run<float>(q.data_ptr<float>(), out.data_ptr<float>(), wp, regs, B, H, g, D, Ctot, float(scaling), want_scores);
+  else
+    run<c10::BFloat16>(q.data_ptr<float>(), out.data_ptr<float>(), wp, regs, B, H, g, D, Ctot, float(scaling),
+                       want_scores);
+  if (want_scores) fold_scores(wp, regs, B, H, Ctot, score_scale);
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("fused_decode", &fused_decode, "fused multi-region decode attention with score update (CPU)");
+}

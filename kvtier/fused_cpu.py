@@ -1,0 +1,118 @@
+"""The fused CPU decode kernel (``csrc/fused_decode_cpu.cpp``): built once per machine, one call per layer and step.
+
+On a CPU the split decode step is ~50 small eager ops per layer (partials, log-sum-exp merge, weight folds),
+and their dispatch, not the arithmetic, is what puts ``tiered`` behind ``full`` (0.33 ms vs SDPA's 0.15 ms
+per layer at 2K tokens, measured). The kernel attends every region as one softmax (float32 statistics) and adds
+the merged weights to the score accumulators in the same call; :mod:`kvtier.decode_attention` stays the
+reference it is tested against (and the path on CUDA, and wherever the kernel cannot be built).
+
+Built on first use (~40 s) by torch's JIT extension loader (needs gcc and the ``ninja`` package, the
+``kernels`` extra) with ``-O3 -march=native``, into ``$KVTIER_KERNEL_DIR`` (default ``~/.cache/kvtier/kernels``)
+under a name hashed from the source, the flags, torch's version and this CPU's ISA flags, so a build made on an
+AVX-512 machine is never loaded on an AVX2 one. A build lock left by a killed build is removed after 10 minutes
+(torch would wait on it forever). If the build fails, one warning is logged and ``available()`` is False.
+``KVTIER_KERNEL=eager`` never builds it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import time
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+KERNEL_MODES = ("auto", "fused", "eager")
+_SRC = Path(__file__).parent / "csrc" / "fused_decode_cpu.cpp"
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]  # OpenMP: at::parallel_for is header code
+
+
+def _cpu_signature() -> str:
+    """The ISA this build targets (-march=native): the cpuinfo flags line, else the platform string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def build_name() -> str:
+    h = hashlib.sha256()
+    for part in (_SRC.read_bytes(), " ".join(_FLAGS).encode(), torch.__version__.encode(), _cpu_signature().encode()):
+        h.update(part)
+        h.update(b"\0")
+    return f"kvtier_fused_cpu_{h.hexdigest()[:16]}"
+
+
+def build_dir(name: str) -> Path:
+    root = Path(os.environ.get("KVTIER_KERNEL_DIR") or Path.home() / ".cache" / "kvtier" / "kernels")
+    out = root / name
+    out.mkdir(parents=True, exist_ok=True)
+    lock = out / "lock"
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        log.warning("kvtier: removing a stale kernel build lock %s", lock)
+        lock.unlink(missing_ok=True)
+    return out
+
+
+_STALE_LOCK_S = 600
+
+
+@lru_cache(maxsize=1)
+def _module():
+    if os.environ.get("KVTIER_KERNEL", "").strip().lower() == "eager":
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        name = build_name()
+        return load(name=name, sources=[str(_SRC)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                    build_directory=str(build_dir(name)), verbose=False)
+    except Exception as exc:  # a missing compiler or ninja: the eager path still works, only slower
+        log.warning("kvtier: the fused CPU decode kernel could not be built (%s: %s); using the eager path "
+                    "(it needs gcc and `pip install kvtier[kernels]`)",
+                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
+        return None
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it now if needed)."""
+    return _module() is not None
+
+
+def supports(dtype: torch.dtype) -> bool:
+    return dtype in (torch.float32, torch.bfloat16)
+
+
+def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], biases: list[torch.Tensor],
+           poss: list[torch.Tensor], scores: list[torch.Tensor] | None, score_scale: float, scaling: float
+           ) -> torch.Tensor:
+    """Softmax of ``qg`` over the union of the regions, and (optionally) the score update.
+
+    Args:
+        qg: (B, H, g, D) queries grouped by kv-head (any float dtype; used as float32).
+        ks, vs: per region (B, H, C_r, D), float32 or bfloat16, last dim contiguous (strided views are fine).
+        biases: per region (B, 1, 1, C_r) float32, 0 on kept columns and -inf elsewhere (masked columns are
+            never read).
+        poss: per region (B, C_r) int64 score positions.
+        scores: per region the (B, N + 1) float64 accumulator its weights go to (regions may share one), or None.
+        score_scale: factor on each weight (1 / (layers * query heads): the mean over layers and heads).
+    Returns:
+        (B, H, g, D) float32, the normalised attention output.
+    """
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the fused CPU decode kernel is not available (see the log for why)")
+    return mod.fused_decode(qg.to(torch.float32).contiguous(), ks, vs, biases, poss, scores or [],
+                            float(score_scale), float(scaling))
+
+
+__all__ = ["KERNEL_MODES", "attend", "available", "build_name", "supports"]

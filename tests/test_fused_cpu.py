@@ -1,0 +1,138 @@
+"""The fused CPU decode kernel (kvtier/csrc/fused_decode_cpu.cpp) against the eager partials it replaces, and
+through generation against the eager split path and the ordered reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvtier
+from conftest import decode_loop, generate, prompt_ids
+from kvtier import fused_cpu
+from kvtier.decode_attention import add_weights, mask_bias, merge, partial
+
+
+def test_the_kernel_builds_here():
+    """CI has gcc and ninja (the dev extra): the fast path must really be there, not silently eager."""
+    assert fused_cpu.available(), "the fused CPU kernel did not build (see the warning above)"
+    assert fused_cpu.build_name().startswith("kvtier_fused_cpu_")
+
+
+def _regions(B, H, D, sizes, dtype, g):
+    """Regions as strided column slices of larger (B, H, cap, D) buffers whose masked slots hold NaN (they must
+    never be read), a row with no key at all in the first region, positions unique per row."""
+    out = []
+    n_pos = sum(sizes) + 1
+    perm = [torch.randperm(n_pos - 1, generator=g) for _ in range(B)]
+    start = 0
+    for i, C in enumerate(sizes):
+        k = torch.randn(B, H, C + 5, D, generator=g) * 2
+        v = torch.randn(B, H, C + 5, D, generator=g)
+        valid = torch.rand(B, C, generator=g) < 0.7
+        if i == 0:
+            valid[1] = False
+        nan = ~valid.view(B, 1, C, 1).expand(B, H, C, D)
+        k[:, :, :C][nan] = float("nan")
+        v[:, :, :C][nan] = float("nan")
+        pos = torch.stack([p[start : start + C] for p in perm])
+        out.append((k.to(dtype)[:, :, :C], v.to(dtype)[:, :, :C], mask_bias(valid), pos))
+        start += C
+    return out, n_pos
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [16, 64, 24])  # 24: not a multiple of 16, the scalar path
+@pytest.mark.parametrize("seed", range(3))
+def test_kernel_matches_the_eager_partials(dtype, D, seed):
+    """Output and score update = partial + merge + add_weights of the same values in float64 (the eager path's
+    math), for block sizes that leave remainders, masked slots full of NaN, a row empty in one region."""
+    g = torch.Generator().manual_seed(seed)
+    B, H, grp = 3, 2, 7
+    sizes = [37 + seed, 130, 9]
+    regs, n_pos = _regions(B, H, D, sizes, dtype, g)
+    q = torch.randn(B, H, grp, D, generator=g)
+    ref_scores = torch.full((B, n_pos), 0.5, dtype=torch.float64)
+    parts = [partial(q.double(), torch.nan_to_num(k.double()), torch.nan_to_num(v.double()), b, 0.2, True)
+             for k, v, b, _ in regs]
+    out_ref, fs = merge(parts)
+    for p, f, (_, _, _, pos) in zip(parts, fs, regs):
+        add_weights(ref_scores, pos, p.e, f, 0.01)
+    scores = torch.full((B, n_pos), 0.5, dtype=torch.float64)
+    out = fused_cpu.attend(q, [r[0] for r in regs], [r[1] for r in regs], [r[2] for r in regs],
+                           [r[3] for r in regs], [scores] * len(regs), 0.01, 0.2)
+    assert out.dtype == torch.float32 and out.shape == (B, H, grp, D)
+    assert not torch.isnan(out).any()
+    assert (out.double() - out_ref).abs().max().item() <= 2e-6
+    # float32 statistics: each added weight to ~1e-6 of the largest
+    assert (scores - ref_scores).abs().max().item() <= 2e-6 * (ref_scores - 0.5).abs().max().item()
+    assert abs((scores - 0.5).sum().item() - 0.01 * B * H * grp) <= 1e-7  # each query head's weights sum to 1 (float32)
+    # without scores: the same output, nothing accumulated
+    again = fused_cpu.attend(q, [r[0] for r in regs], [r[1] for r in regs], [r[2] for r in regs],
+                             [r[3] for r in regs], None, 0.01, 0.2)
+    assert torch.equal(again, out)
+
+
+def test_kernel_rejects_bad_shapes():
+    q = torch.randn(1, 2, 3, 16)
+    k = torch.randn(1, 2, 5, 16)
+    bias = mask_bias(torch.ones(1, 5, dtype=torch.bool))
+    pos = torch.arange(5).view(1, 5)
+    with pytest.raises(RuntimeError, match="bias must be"):
+        fused_cpu.attend(q, [k], [k], [bias[..., :4]], [pos], None, 1.0, 1.0)
+    with pytest.raises(RuntimeError, match="k/v must be"):
+        fused_cpu.attend(q, [k[:, :1]], [k[:, :1]], [bias], [pos], None, 1.0, 1.0)
+
+
+@pytest.mark.parametrize("model_name", ["qwen2", "llama"])
+@pytest.mark.parametrize("quant", [0.0, 0.1])
+def test_fused_equals_eager_through_generation(model_name, quant, request):
+    """The fused kernel and the eager partials: the same tokens and tier maps over 128 steps with a reassignment
+    every 8, T1 (and T2) taking part; logits within 2e-5 and scores within 1e-6 in full precision (float32 rounding drifting through 128 steps,
+    the bound of the split-vs-ordered test; measured worst 1.6e-5). With T2, K/V
+    that differ by float32 rounding can quantise to adjacent int8 levels (a step is absmax/127), so there the
+    logits agree to that step's effect (2e-3), as in the split-vs-ordered test."""
+    model = request.getfixturevalue(model_name)
+    ids = prompt_ids(batch=2, length=24, seed=11)
+    params = dict(hbm_ratio=0.2, evict_ratio=0.1, quant_ratio=quant, retier_interval=8, recent_window=8,
+                  sink_tokens=2, protect_prompt=False)
+    for t1 in ("host", "stream"):
+        seq_f, log_f, c_f = generate(model, "tiered", ids, new_tokens=128, t1_attention=t1, kernel="fused", **params)
+        seq_e, log_e, c_e = generate(model, "tiered", ids, new_tokens=128, t1_attention=t1, kernel="eager", **params)
+        assert c_f.stats()["kernel"]["current"] == "fused" and c_e.stats()["kernel"]["current"] == "eager"
+        assert torch.equal(seq_f, seq_e), t1
+        assert torch.equal(c_f.tier_map(), c_e.tier_map()), t1
+        d_log = (log_f - log_e).abs().max().item()
+        assert 0 < d_log <= (2e-5 if quant == 0 else 2e-3), (t1, d_log)  # > 0: two different code paths ran
+        if quant == 0:
+            d_sc = ((c_f.scores() - c_e.scores()).abs() / c_e.scores().abs().clamp_min(1.0)).max().item()
+            assert d_sc <= 1e-6, (t1, d_sc)
+        print(model_name, quant, t1, f"logits {d_log:.2e}")
+        st = c_f.stats()
+        assert st["tokens"]["T1"] > 0 and (st["tokens"]["T2"] > 0) == (quant > 0)
+
+
+def test_auto_uses_the_kernel_on_cpu_and_eager_where_asked(qwen2):
+    ids = prompt_ids(length=20)
+    for kernel, want in (("auto", "fused"), ("eager", "eager")):
+        cache = kvtier.make_cache("tiered", qwen2, kernel=kernel, protect_prompt=False, recent_window=4)
+        decode_loop(qwen2, cache, ids, steps=2)
+        assert cache.stats()["kernel"] == {"requested": kernel, "current": want}
+    full = kvtier.make_cache("full", qwen2)
+    decode_loop(qwen2, full, ids, steps=2)
+    assert full.stats()["kernel"]["current"] is None  # full has one region: SDPA
+
+
+@pytest.mark.parametrize("params, match", [
+    (dict(kernel="fast"), "kernel must be one of"),
+    (dict(kernel="fused", attention="ordered"), "kernel='fused' needs attention='split'"),
+])
+def test_bad_kernel_settings_are_named(qwen2, params, match):
+    with pytest.raises(ValueError, match=match):
+        kvtier.make_cache("tiered", qwen2, **params)
+
+
+def test_fused_refuses_where_it_cannot_run(qwen2):
+    cache = kvtier.make_cache("tiered", qwen2, kernel="fused", protect_prompt=False)
+    cache.state.host_threaded = True  # the host tiers on a worker thread (the CUDA arrangement)
+    with pytest.raises(ValueError, match="kernel='fused' is not possible.*worker thread"):
+        decode_loop(qwen2, cache, prompt_ids(length=12), steps=1)
