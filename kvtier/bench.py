@@ -46,6 +46,7 @@ class BenchConfig:
     t1_on_device: bool = False  # also time each tiered point with a device copy of T1 (the HBM-for-PCIe trade)
     attentions: tuple[str, ...] = ("split",)  # each tiered point (and full) is timed once per attention mode
     t1_attentions: tuple[str, ...] = ("auto",)  # ... and, in split mode, once per T1 mode
+    kernels: tuple[str, ...] = ("auto",)  # ... and once per split-step implementation (fused CPU kernel / eager)
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -80,11 +81,13 @@ class BenchConfig:
         if isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int) or self.recent_window < 0:
             raise ValueError(f"--recent-window must be an integer >= 0, got {self.recent_window!r}")
         from .cache import ATTENTION_MODES, T1_MODES
+        from .fused_cpu import KERNEL_MODES
 
-        for name, allowed in (("attentions", ATTENTION_MODES), ("t1_attentions", T1_MODES)):
+        flags = {"attentions": "--attention", "t1_attentions": "--t1-attention", "kernels": "--kernel"}
+        for name, allowed in (("attentions", ATTENTION_MODES), ("t1_attentions", T1_MODES), ("kernels", KERNEL_MODES)):
             values = getattr(self, name)
             if not values or any(v not in allowed for v in values):
-                flag = "--attention" if name == "attentions" else "--t1-attention"
+                flag = flags[name]
                 raise ValueError(f"{flag} values must be among {list(allowed)}, got {list(values)!r}")
 
 
@@ -94,12 +97,17 @@ def _sync(device: torch.device) -> None:
 
 
 def _modes(cfg: BenchConfig) -> list[dict]:
-    """(attention, t1_attention) combinations: the ordered path streams (it attends on the device only)."""
+    """(attention, t1_attention[, kernel]) combinations: the ordered path streams (it attends on the device only)
+    and has no kernel choice; ``kernel`` is named only when more than the default is asked for."""
     out = []
     for a in cfg.attentions:
         for t in cfg.t1_attentions if a == "split" else ("stream",):
-            if dict(attention=a, t1_attention=t) not in out:
-                out.append(dict(attention=a, t1_attention=t))
+            for k in cfg.kernels if a == "split" else ("auto",):
+                mode = dict(attention=a, t1_attention=t)
+                if k != "auto" or len(cfg.kernels) > 1:
+                    mode["kernel"] = k
+                if mode not in out:
+                    out.append(mode)
     return out
 
 
@@ -174,6 +182,7 @@ class _Run:
             rec.update(
                 transfer_seconds=ta["seconds"] - tb["seconds"],
                 t1_mode=after["t1_attention"]["current"] if isinstance(after.get("t1_attention"), dict) else None,
+                kernel=(after.get("kernel") or {}).get("current"),
                 peak_device_kv_bytes=after.get("peak_device_kv_bytes"),
                 stream_h2d_bytes=ta["stream_h2d_bytes"] - tb["stream_h2d_bytes"],
                 migration_bytes=(ta["migration_h2d_bytes"] + ta["migration_d2h_bytes"])
@@ -308,6 +317,7 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
                     tokens=last["tokens"],
                     retiers=last["retiers"],
                     t1_mode=last["t1_mode"],
+                    kernel=last.get("kernel"),
                     peak_device_kv_bytes=last["peak_device_kv_bytes"],
                 )
             if (name == "full" and not params) or name in ("stock_sdpa", "stock_static"):  # the bases of the ratios

@@ -786,6 +786,7 @@ def bench(
     t1_on_device: bool = typer.Option(False, "--t1-on-device", help="also time tiered with a device copy of T1 (HBM for PCIe)"),
     attention: str = typer.Option("split", help="comma-separated attention modes to time: split, ordered"),
     t1_attention: str = typer.Option("auto", help="comma-separated T1 modes to time in split mode: stream, host, auto"),
+    kernel: str = typer.Option("auto", help="comma-separated split-step implementations to time: auto, fused, eager"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
@@ -812,6 +813,7 @@ def bench(
             t1_on_device=t1_on_device, device=device, dtype=dtype,
             attentions=tuple(x.strip() for x in attention.split(",") if x.strip()),
             t1_attentions=tuple(x.strip() for x in t1_attention.split(",") if x.strip()),
+            kernels=tuple(x.strip() for x in kernel.split(",") if x.strip()),
         )
         from .models import peek_position_limit, resolve_dtype
 
@@ -864,6 +866,9 @@ def print_bench(res: dict) -> None:
             if r["params"]["attention"] == "split" and "t1_attention" in r["params"]:
                 mode = r["params"]["t1_attention"]
                 p += f"/{mode}" + (f"->{r['t1_mode']}" if mode == "auto" and r.get("t1_mode") else "")
+            if "kernel" in r["params"]:
+                p += f", {r['params']['kernel']}" + (f"->{r['kernel']}" if r.get("kernel") and
+                                                     r["params"]["kernel"] == "auto" else "")
         gb = f"{r['h2d_gbps']:.1f} ({100 * r['h2d_fraction_of_peak']:.0f}%)" if r.get("h2d_gbps") else "–"
         kv = r["kv_bytes"]
         t.add_row(str(r["batch"]), r["policy"], p, f"{r['decode_tok_s']:.1f}", f"{r['ms_per_step']:.1f}",

@@ -147,6 +147,23 @@ def test_bench_interleaved_times_every_configuration_step_by_step(tmp_path):
     assert rows[4]["retiers"] >= 1
 
 
+def test_bench_times_fused_and_eager_side_by_side(tmp_path):
+    """--kernel auto,eager: each split point once per implementation, the row naming what really ran."""
+    out = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "24", "--new-tokens", "3",
+                              "--warmup-steps", "3", "--batch", "1", "--hbm-ratio", "0.3", "--repeats", "1",
+                              "--no-warm-repeat", "--interleave", "--recent-window", "4", "--retier-interval", "4",
+                              "--t1-attention", "host", "--kernel", "auto,eager", "--no-stock", "--device", "cpu",
+                              "--dtype", "fp32", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["results"]
+    tiered = [r for r in rows if r["policy"] == "tiered"]
+    assert [(r["params"]["kernel"], r["kernel"]) for r in tiered] == [("auto", "fused"), ("eager", "eager")]
+    assert "host, auto->fused" in res.output and "host, eager" in res.output
+    bad = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--kernel", "fast", "--device", "cpu"])
+    assert bad.exit_code != 0 and "--kernel values must be among" in bad.output
+
+
 def test_plan_matches_hand_computed_values():
     p = plan("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", batch=8, seq_len=32768, hbm_ratio=0.3, evict_ratio=0.03,
              pcie_gbps=50.0)
