@@ -115,6 +115,23 @@ def test_dtype_is_part_of_the_key(tmp_path):
     assert "dtype = ['bfloat16', 'float32']" in (out / "summary.md").read_text()
 
 
+def test_the_kernel_choice_at_its_default_leaves_the_key_alone(tmp_path):
+    """``kernel`` (how the split step computes: rounding only) joined the policies after records existed: at its
+    default it is not part of the key, so earlier records still resume; set explicitly it is; records say which
+    kernel ran."""
+    from kvtier.eval.runner import EvalConfig
+
+    base = dict(model="random:tiny-qwen2", benchmark="gsm8k", policy="tiered", params={"hbm_ratio": 0.3})
+    ident = {"model": "m"}
+    plain = EvalConfig(**base).key_inputs(ident)
+    assert "kernel" not in plain["params"] and plain["params"]["attention"] == "split"
+    assert EvalConfig(**dict(base, params={"hbm_ratio": 0.3, "kernel": "auto"})).key(ident) == EvalConfig(**base).key(ident)
+    assert EvalConfig(**dict(base, params={"hbm_ratio": 0.3, "kernel": "eager"})).key(ident) != EvalConfig(**base).key(ident)
+    out = tmp_path / "run"
+    assert _eval(out, "--policy", "tiered", "--param", "protect_prompt=false").exit_code == 0
+    assert {r["kernel"] for r in _records(out)} == {"fused"}
+
+
 def test_other_questions_with_the_same_ids_are_not_reused(tmp_path):
     a = _write_gsm8k(tmp_path / "a", GSM)
     b = _write_gsm8k(tmp_path / "b", [dict(r, question=r["question"].replace("+", "*"), answer="#### 7") for r in GSM])

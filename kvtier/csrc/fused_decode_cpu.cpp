@@ -349,5 +349,7 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("fused_decode", &fused_decode, "fused multi-region decode attention with score update (CPU)");
+  // without the GIL, like torch's own ops: a server's event loop keeps running while a layer attends
+  m.def("fused_decode", &fused_decode, "fused multi-region decode attention with score update (CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }

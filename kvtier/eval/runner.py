@@ -49,6 +49,16 @@ def validate_policy(policy: str, params: dict) -> dict:
     return {**cls.params(), **params}
 
 
+# Parameters that choose how a policy computes, not what: float rounding at most. At their default they stay out
+# of the resume key (adding one must not orphan every record made before it); the record says what ran.
+IMPLEMENTATION_PARAMS = {"kernel": "auto"}
+
+
+def key_params(full_params: dict) -> dict:
+    return {k: v for k, v in full_params.items()
+            if not (k in IMPLEMENTATION_PARAMS and v == IMPLEMENTATION_PARAMS[k])}
+
+
 def _finite(name: str, x) -> None:
     if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
         raise ValueError(f"{name} must be a finite number, got {x!r}")
@@ -99,7 +109,7 @@ class EvalConfig:
             "benchmark": self.benchmark,
             "problem_set": problem_set,
             "policy": self.policy,
-            "params": self.full_params,
+            "params": key_params(self.full_params),
             "max_new_tokens": self.max_new_tokens,
             "temperature": float(self.temperature),
             "top_p": float(self.top_p) if self.temperature > 0 else 1.0,
@@ -337,6 +347,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
             **_row_stats(cache, row, stats),
             "peak_device_kv_bytes": stats.get("peak_device_kv_bytes"),
             "peak_device_tokens": stats.get("peak_device_tokens"),
+            "kernel": (stats.get("kernel") or {}).get("current"),
             "streamed_bytes": stats["transfer"]["stream_h2d_bytes"] / len(batch),
             "moved_bytes": (stats["transfer"]["migration_h2d_bytes"] + stats["transfer"]["migration_d2h_bytes"]) / len(batch),
             "batch_size": len(batch),
