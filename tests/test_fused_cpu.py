@@ -81,6 +81,9 @@ def test_kernel_rejects_bad_shapes():
         fused_cpu.attend(q, [k], [k], [bias[..., :4]], [pos], None, 1.0, 1.0)
     with pytest.raises(RuntimeError, match="k/v must be"):
         fused_cpu.attend(q, [k[:, :1]], [k[:, :1]], [bias], [pos], None, 1.0, 1.0)
+    scores = torch.zeros(1, 5, dtype=torch.float64)  # positions 0..4 need 5 columns; 5 is outside
+    with pytest.raises(RuntimeError, match="score position 5 outside"):
+        fused_cpu.attend(q, [k], [k], [bias], [pos + 1], [scores], 1.0, 1.0)
 
 
 @pytest.mark.parametrize("model_name", ["qwen2", "llama"])

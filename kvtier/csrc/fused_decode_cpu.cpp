@@ -124,6 +124,7 @@ struct Region {
   int64_t C;
   double* scores;  // accumulator of this region's positions (B, N + 1), row stride ss0
   int64_t ss0;
+  int64_t width;  // its N + 1 columns: every position is checked against it
 };
 
 template <typename T>
@@ -285,6 +286,7 @@ void fold_scores(const float* w, const std::vector<Region>& regs, int64_t B, int
           if (bias[j] == kNegInf) continue;
           double acc = 0.0;
           for (int64_t h = 0; h < H; ++h) acc += static_cast<double>(w[(b * H + h) * Ctot + off + j]);
+          TORCH_CHECK(pos[j] >= 0 && pos[j] < r.width, "score position ", pos[j], " outside [0, ", r.width, ")");
           sc[pos[j]] += scale * acc;
         }
         off += r.C;
@@ -324,13 +326,14 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
                     pos.stride(1) == 1, "region ", i, ": pos must be (B, C) int64");
     Region r{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
              v.stride(2), bias.data_ptr<float>(), bias.stride(0), pos.data_ptr<int64_t>(), pos.stride(0), C,
-             nullptr, 0};
+             nullptr, 0, 0};
     if (want_scores) {
       const auto& sc = scores[i];
       TORCH_CHECK(sc.dim() == 2 && sc.size(0) == B && sc.scalar_type() == at::kDouble && sc.stride(1) == 1,
                   "region ", i, ": scores must be (B, N + 1) float64");
       r.scores = sc.data_ptr<double>();
       r.ss0 = sc.stride(0);
+      r.width = sc.size(1);
     }
     regs.push_back(r);
     Ctot += C;
