@@ -23,6 +23,7 @@ FIELDS = {
     "benchmark", "id", "sample", "config_key", "policy", "params", "model", "max_new_tokens", "temperature", "top_p",
     "seed", "completion", "extracted", "gold", "correct", "prompt_tokens", "generated_tokens", "tier_tokens",
     "tier_bytes", "budget_tokens", "problem_hash", "key_inputs", "peak_device_kv_bytes", "peak_device_tokens", "streamed_bytes", "moved_bytes", "batch_size", "batch_seconds", "seconds", "tier_map",
+    "kernel",
 }
 
 
@@ -49,6 +50,7 @@ def test_eval_end_to_end_every_record_field(tmp_path, benchmark):
         assert set(r["tier_tokens"]) == {"T0", "T1", "T2", "T3"} and set(r["tier_bytes"]) == {"T0", "T1", "T2"}
         assert sum(r["tier_tokens"].values()) >= r["prompt_tokens"]
         assert r["seconds"] > 0
+        assert r["kernel"] == "fused"  # the split step's implementation that ran (CPU: the fused kernel)
         tm = r["tier_map"]  # the final tier of every prompt and completion token, and where each token ends
         assert tm["kind"] == "tiers" and len(tm["prompt"]) == r["prompt_tokens"]
         assert len(tm["completion"]) == len(tm["ends"]) == r["generated_tokens"]
