@@ -1,8 +1,8 @@
 """The fused CPU decode kernel (``csrc/fused_decode_cpu.cpp``): built once per machine, one call per layer and step.
 
 On a CPU the split decode step is ~50 small eager ops per layer (partials, log-sum-exp merge, weight folds),
-and their dispatch, not the arithmetic, is what puts ``tiered`` behind ``full`` (0.33 ms vs SDPA's 0.15 ms
-per layer at 2K tokens, measured). The kernel attends every region as one softmax (float32 statistics) and adds
+and their dispatch, not the arithmetic, is what puts ``tiered`` behind ``full`` (0.47 ms vs SDPA's 0.14 ms
+per layer at 2K tokens with T1 in use, measured). The kernel attends every region as one softmax (float32 statistics) and adds
 the merged weights to the score accumulators in the same call; :mod:`kvtier.decode_attention` stays the
 reference it is tested against (and the path on CUDA, and wherever the kernel cannot be built).
 

@@ -4,7 +4,8 @@
 // for every (row b, kv-head h) the g query heads of the group attend the union of the regions as one softmax
 // (float32 statistics), the normalised output is written, and each kept key's merged weight summed over the
 // group's query heads is added, summed over kv-heads in a fixed order, to scores[b, pos[b, j]] (float64).
-// Masked columns (bias -inf) are skipped, never read: their K/V may be stale or uninitialised.
+// Masked columns (bias -inf) never reach the output or the scores: their K/V may be stale or uninitialised (a K
+// slot inside a block of 4 is read and its logit replaced by -inf; a masked V slot is never read).
 // The eager reference is decode_attention.partial/merge/add_weights; tests compare the two.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -127,6 +128,25 @@ struct Region {
   int64_t width;  // its N + 1 columns: every position is checked against it
 };
 
+// One key's logits for the g query heads (stride ld in s), the running max updated.
+inline void logits_one_key(const float* qh, const float* kr, float bias, float scaling, int64_t g, int64_t D,
+                           float* s, int64_t ld, float* m) {
+  for (int64_t gi = 0; gi < g; ++gi) {
+    const float x = dot(qh + gi * D, kr, D) * scaling + bias;
+    s[gi * ld] = x;
+    m[gi] = x > m[gi] ? x : m[gi];
+  }
+}
+
+// o[gi] += e[gi] * v for one key, e read with stride ld from s.
+inline void add_one_value(const float* e, int64_t ld, const float* vr, int64_t g, int64_t D, float* o) {
+  for (int64_t gi = 0; gi < g; ++gi) {
+    const float eg = e[gi * ld];
+    float* og = o + gi * D;
+    for (int64_t d = 0; d < D; ++d) og[d] += eg * vr[d];
+  }
+}
+
 template <typename T>
 void run(const float* q, float* out, float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t g,
          int64_t D, int64_t Ctot, float scaling, bool want_scores) {
@@ -190,12 +210,7 @@ void run(const float* q, float* out, float* w, const std::vector<Region>& regs, 
             for (int64_t gi = 0; gi < g; ++gi) s[gi * Ctot + off + j] = kNegInf;
             continue;
           }
-          const float* kr = as_float<T>(kb + j * r.ks2, tmp, D);
-          for (int64_t gi = 0; gi < g; ++gi) {
-            const float x = dot(qh + gi * D, kr, D) * scaling + bj;
-            s[gi * Ctot + off + j] = x;
-            m[gi] = x > m[gi] ? x : m[gi];
-          }
+          logits_one_key(qh, as_float<T>(kb + j * r.ks2, tmp, D), bj, scaling, g, D, s + off + j, Ctot, m);
         }
         off += r.C;
       }
@@ -219,12 +234,7 @@ void run(const float* q, float* out, float* w, const std::vector<Region>& regs, 
             if (bias[j] == kNegInf || bias[j + 1] == kNegInf || bias[j + 2] == kNegInf || bias[j + 3] == kNegInf) {
               for (int u = 0; u < 4; ++u) {
                 if (bias[j + u] == kNegInf) continue;
-                const float* vr = as_float<T>(vb + (j + u) * r.vs2, tmp, D);
-                for (int64_t gi = 0; gi < g; ++gi) {
-                  const float e = s[gi * Ctot + off + j + u];
-                  float* og = o + gi * D;
-                  for (int64_t d = 0; d < D; ++d) og[d] += e * vr[d];
-                }
+                add_one_value(s + off + j + u, Ctot, as_float<T>(vb + (j + u) * r.vs2, tmp, D), g, D, o);
               }
               continue;
             }
@@ -244,12 +254,7 @@ void run(const float* q, float* out, float* w, const std::vector<Region>& regs, 
         }
         for (; j < r.C; ++j) {
           if (bias[j] == kNegInf) continue;
-          const float* vr = as_float<T>(vb + j * r.vs2, tmp, D);
-          for (int64_t gi = 0; gi < g; ++gi) {
-            const float e = s[gi * Ctot + off + j];
-            float* og = o + gi * D;
-            for (int64_t d = 0; d < D; ++d) og[d] += e * vr[d];
-          }
+          add_one_value(s + off + j, Ctot, as_float<T>(vb + j * r.vs2, tmp, D), g, D, o);
         }
         off += r.C;
       }
