@@ -88,6 +88,13 @@ def available() -> bool:
     return _module() is not None
 
 
+def bf16_dots() -> bool:
+    """Whether this build dots bfloat16 keys with AVX512-BF16 instructions (when the query is bf16-exact, as it
+    is in a bf16 model) instead of widening them to float32: same products, float32 sums in another order."""
+    mod = _module()
+    return bool(mod is not None and mod.bf16_dots())
+
+
 def supports(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16)
 
@@ -115,4 +122,4 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
                             float(score_scale), float(scaling))
 
 
-__all__ = ["KERNEL_MODES", "attend", "available", "build_name", "supports"]
+__all__ = ["KERNEL_MODES", "attend", "available", "bf16_dots", "build_name", "supports"]

@@ -266,6 +266,22 @@ def test_sweep_compares_at_equal_eviction_equal_memory_and_fixed_budgets(tmp_pat
     rows = json.loads((out / "summary.json").read_text())["configs"]
     mem = [r for r in rows if r["comparison"].startswith("equal memory")]
     assert len(mem) == 2 and all(r["evict_ratio"] is None and r["mean_budget_tokens"] > 0 for r in mem)
+    assert "| recent_window=4, retier_interval=4 |" in md  # the tiered row's own settings are shown
+
+
+def test_report_labels_equal_memory_without_a_floor_and_shows_settings():
+    """With the hierarchy's prompt unprotected the sweep's equal-memory budget has no floor (the same numbers as
+    equal eviction at 1 - hbm): the row is labelled by what it was run for, and the settings column tells
+    tiered rows with equal ratios apart."""
+    from kvtier.eval.report import comparison, settings
+
+    filled = {"budget_ratio": 0.3, "budget_floor": None, "budget_tokens": None}
+    assert comparison("h2o", filled, {"budget_ratio": 0.3, "budget_floor": None}) == "equal memory (hbm 0.3)"
+    assert comparison("h2o", filled, {"budget_ratio": 0.3}) == "equal eviction (0.7)"
+    assert comparison("h2o", {**filled, "budget_floor": 64}, {"budget_ratio": 0.3}) == "equal memory (hbm 0.3)"
+    assert settings({"protect_prompt": False, "hbm_ratio": 0.3, "evict_ratio": 0.03, "quant_ratio": 0.0}) == "protect_prompt=False"
+    assert settings({"attention": "ordered", "hbm_ratio": 0.5, "quant_ratio": 0.1}) == "attention=ordered, quant_ratio=0.1"
+    assert settings({"budget_ratio": 0.3, "budget_floor": None}) == ""
 
 
 @pytest.mark.parametrize("args, message", [(["--compare", "same-memory"], "--compare"),

@@ -40,10 +40,17 @@ def _regions(B, H, D, sizes, dtype, g):
     return out, n_pos
 
 
+def test_bf16_dots_are_built_where_the_cpu_has_them():
+    """-march=native on an AVX512-BF16 CPU must give the VDPBF16PS path (it is what bf16 models run here)."""
+    flags = fused_cpu._cpu_signature().split()
+    assert fused_cpu.bf16_dots() == ("avx512_bf16" in flags and "avx512f" in flags)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("D", [16, 64, 24])  # 24: not a multiple of 16, the scalar path
+@pytest.mark.parametrize("D", [16, 64, 24, 48])  # 24: not a multiple of 16, the scalar path; 48: not of 32
 @pytest.mark.parametrize("seed", range(3))
-def test_kernel_matches_the_eager_partials(dtype, D, seed):
+@pytest.mark.parametrize("q_bf16", [False, True])  # a bf16-exact query (a bf16 model) takes the VDPBF16PS dots
+def test_kernel_matches_the_eager_partials(dtype, D, seed, q_bf16):
     """Output and score update = partial + merge + add_weights of the same values in float64 (the eager path's
     math), for block sizes that leave remainders, masked slots full of NaN, a row empty in one region."""
     g = torch.Generator().manual_seed(seed)
@@ -51,6 +58,8 @@ def test_kernel_matches_the_eager_partials(dtype, D, seed):
     sizes = [37 + seed, 130, 9]
     regs, n_pos = _regions(B, H, D, sizes, dtype, g)
     q = torch.randn(B, H, grp, D, generator=g)
+    if q_bf16:
+        q = q.to(torch.bfloat16).float()
     ref_scores = torch.full((B, n_pos), 0.5, dtype=torch.float64)
     parts = [partial(q.double(), torch.nan_to_num(k.double()), torch.nan_to_num(v.double()), b, 0.2, True)
              for k, v, b, _ in regs]

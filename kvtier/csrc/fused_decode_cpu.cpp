@@ -12,8 +12,13 @@
 
 #include <cmath>
 #include <cstdint>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define KVTIER_DPBF16 1
+#endif
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -114,6 +119,36 @@ inline float exp_nonpos(float x) {
   return x < -87.f ? 0.f : y * scale;
 }
 
+// q rows as bfloat16 (truncated) into qb; true when that is exact, i.e. q came from a bfloat16 model, so the
+// bf16 dot product below computes the same products as the float32 one (bf16 x bf16 is exact in float32).
+inline bool q_as_bf16(const float* q, uint16_t* qb, int64_t n) {
+  uint32_t lost = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, q + i, sizeof bits);
+    qb[i] = static_cast<uint16_t>(bits >> 16);
+    lost |= bits & 0xFFFFu;
+  }
+  return lost == 0;
+}
+
+#ifdef KVTIER_DPBF16
+// Four keys' dot products with one query head, bf16 pairs multiplied and accumulated in float32 by VDPBF16PS
+// (two products per lane and instruction, no conversion of K): D a multiple of 32.
+inline v4 dots4_bf16(const uint16_t* qg, const uint16_t* k0, const uint16_t* k1, const uint16_t* k2,
+                     const uint16_t* k3, int64_t D) {
+  __m512 a = _mm512_setzero_ps(), b = _mm512_setzero_ps(), c = _mm512_setzero_ps(), d = _mm512_setzero_ps();
+  for (int64_t t = 0; t < D; t += 32) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + t);
+    a = _mm512_dpbf16_ps(a, qv, (__m512bh)_mm512_loadu_si512(k0 + t));
+    b = _mm512_dpbf16_ps(b, qv, (__m512bh)_mm512_loadu_si512(k1 + t));
+    c = _mm512_dpbf16_ps(c, qv, (__m512bh)_mm512_loadu_si512(k2 + t));
+    d = _mm512_dpbf16_ps(d, qv, (__m512bh)_mm512_loadu_si512(k3 + t));
+  }
+  return hsum4((v16)a, (v16)b, (v16)c, (v16)d);
+}
+#endif
+
 struct Region {
   const void* k;
   const void* v;
@@ -152,7 +187,9 @@ void run(const float* q, float* out, float* w, const std::vector<Region>& regs, 
          int64_t D, int64_t Ctot, float scaling, bool want_scores) {
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf;
+    thread_local std::vector<uint16_t> qb_buf;
     s_buf.resize(static_cast<size_t>(g * Ctot));
+    qb_buf.resize(static_cast<size_t>(g * D));
     tmp_buf.resize(static_cast<size_t>(4 * D));
     o_buf.resize(static_cast<size_t>(g * D));
     m_buf.resize(static_cast<size_t>(g));
@@ -162,10 +199,15 @@ void run(const float* q, float* out, float* w, const std::vector<Region>& regs, 
     float* o = o_buf.data();
     float* m = m_buf.data();
     float* l = l_buf.data();
+    uint16_t* qb = qb_buf.data();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / H, h = t % H;
       const float* qh = q + t * g * D;  // q is (B, H, g, D) contiguous
       for (int64_t gi = 0; gi < g; ++gi) m[gi] = kNegInf;
+      bool bf16_dots = false;
+#ifdef KVTIER_DPBF16
+      if (std::is_same<T, c10::BFloat16>::value && D % 32 == 0) bf16_dots = q_as_bf16(qh, qb, g * D);
+#endif
       // pass 1: logits, running max. Blocks of 4 keys share each query load (D a multiple of 16); a masked
       // column's logit is computed from whatever its slot holds and then replaced by -inf.
       int64_t off = 0;
@@ -180,21 +222,36 @@ void run(const float* q, float* out, float* w, const std::vector<Region>& regs, 
                 for (int u = 0; u < 4; ++u) s[gi * Ctot + off + j + u] = kNegInf;
               continue;
             }
-            const float* k0 = as_float<T>(kb + j * r.ks2, tmp, D);
-            const float* k1 = as_float<T>(kb + (j + 1) * r.ks2, tmp + D, D);
-            const float* k2 = as_float<T>(kb + (j + 2) * r.ks2, tmp + 2 * D, D);
-            const float* k3 = as_float<T>(kb + (j + 3) * r.ks2, tmp + 3 * D, D);
+            const float* k0 = nullptr;
+            const float* k1 = nullptr;
+            const float* k2 = nullptr;
+            const float* k3 = nullptr;
+            if (!bf16_dots) {
+              k0 = as_float<T>(kb + j * r.ks2, tmp, D);
+              k1 = as_float<T>(kb + (j + 1) * r.ks2, tmp + D, D);
+              k2 = as_float<T>(kb + (j + 2) * r.ks2, tmp + 2 * D, D);
+              k3 = as_float<T>(kb + (j + 3) * r.ks2, tmp + 3 * D, D);
+            }
             for (int64_t gi = 0; gi < g; ++gi) {
-              const float* qg = qh + gi * D;
-              v16 a = {}, c1 = {}, c2 = {}, c3 = {};
-              for (int64_t t4 = 0; t4 < D; t4 += 16) {
-                const v16 qv = ld16(qg + t4);
-                a += qv * ld16(k0 + t4);
-                c1 += qv * ld16(k1 + t4);
-                c2 += qv * ld16(k2 + t4);
-                c3 += qv * ld16(k3 + t4);
+              v4 dots;
+#ifdef KVTIER_DPBF16
+              if (bf16_dots) {
+                const uint16_t* kj = reinterpret_cast<const uint16_t*>(kb + j * r.ks2);
+                dots = dots4_bf16(qb + gi * D, kj, kj + r.ks2, kj + 2 * r.ks2, kj + 3 * r.ks2, D);
+              } else
+#endif
+              {
+                const float* qg = qh + gi * D;
+                v16 a = {}, c1 = {}, c2 = {}, c3 = {};
+                for (int64_t t4 = 0; t4 < D; t4 += 16) {
+                  const v16 qv = ld16(qg + t4);
+                  a += qv * ld16(k0 + t4);
+                  c1 += qv * ld16(k1 + t4);
+                  c2 += qv * ld16(k2 + t4);
+                  c3 += qv * ld16(k3 + t4);
+                }
+                dots = hsum4(a, c1, c2, c3);
               }
-              const v4 dots = hsum4(a, c1, c2, c3);
               for (int u = 0; u < 4; ++u) {
                 const float bj = bias[j + u];
                 const float x = bj == kNegInf ? kNegInf : dots[u] * scaling + bj;
@@ -344,9 +401,10 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
     Ctot += C;
   }
   auto out = torch::empty({B, H, g, D}, q.options());
-  torch::Tensor w;
-  if (want_scores) w = torch::empty({B, H, Ctot}, q.options());
-  float* wp = want_scores ? w.data_ptr<float>() : nullptr;
+  // the merged weights (B, H, Ctot): a buffer of the calling thread, kept between calls (no per-step allocation)
+  thread_local std::vector<float> w_buf;
+  if (want_scores) w_buf.resize(static_cast<size_t>(B * H * Ctot));
+  float* wp = want_scores ? w_buf.data() : nullptr;
   if (kv_type == at::kFloat)
     run<float>(q.data_ptr<float>(), out.data_ptr<float>(), wp, regs, B, H, g, D, Ctot, float(scaling), want_scores);
   else
@@ -360,4 +418,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, like torch's own ops: a server's event loop keeps running while a layer attends
   m.def("fused_decode", &fused_decode, "fused multi-region decode attention with score update (CPU)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("bf16_dots", []() {
+#ifdef KVTIER_DPBF16
+    return true;
+#else
+    return false;
+#endif
+  }, "whether bfloat16 K is dotted with VDPBF16PS (AVX512-BF16 at build time) rather than widened to float32");
 }

@@ -62,8 +62,8 @@ def differing_fields(records: list[dict]) -> dict[str, list]:
 
 
 def eviction_ratio(policy: str, params: dict) -> float | None:
-    """The configured eviction ratio of a policy (1 - budget for the equal-eviction baselines; None for
-    equal-memory and absolute budgets, which are not set by an eviction ratio)."""
+    """The configured eviction ratio of a policy (1 - budget for the equal-eviction baselines and for equal
+    memory without a floor; None for floored equal-memory and absolute budgets, which are not set by a ratio)."""
     if policy == "full":
         return 0.0
     if "evict_ratio" in params:
@@ -75,19 +75,31 @@ def eviction_ratio(policy: str, params: dict) -> float | None:
     return None
 
 
-def comparison(policy: str, params: dict) -> str:
-    """Which comparison a configuration belongs to (how its budget was set)."""
+def comparison(policy: str, params: dict, given: dict | None = None) -> str:
+    """Which comparison a configuration belongs to (how its budget was set). ``given``: the parameters as the
+    run set them; the sweep's equal-memory points name ``budget_floor`` even where it is None (the hierarchy's
+    prompt unprotected: then the same budget as equal eviction at 1 - hbm, labelled by what it was run for)."""
     if policy == "full":
         return "reference"
     if policy in ("tiered", "evict", "quant"):
         return "hierarchy" if policy == "tiered" else "ablation"
-    if params.get("budget_floor") is not None:
+    if params.get("budget_floor") is not None or ("budget_floor" in (given or {}) and params.get("budget_ratio") is not None):
         return f"equal memory (hbm {params.get('budget_ratio')})"
     if params.get("budget_tokens") is not None:
         return f"fixed budget ({params['budget_tokens']} tokens)"
     if params.get("budget_ratio") is not None:
         return f"equal eviction ({round(1.0 - float(params['budget_ratio']), 6)})"
     return "–"
+
+
+_SHOWN = ("hbm_ratio", "evict_ratio", "budget_ratio", "budget_floor", "budget_tokens")  # columns of their own
+
+
+def settings(given: dict) -> str:
+    """The parameters a configuration set beyond the ratio and budget columns (``protect_prompt=False``,
+    ``attention=ordered``, ...): what tells two rows with the same ratios apart."""
+    return ", ".join(f"{k}={v}" for k, v in sorted(given.items())
+                     if k not in _SHOWN and v is not None and not (k == "quant_ratio" and v == 0))
 
 
 def summarize(records: list[dict]) -> dict:
@@ -113,7 +125,8 @@ def summarize(records: list[dict]) -> dict:
             "policy": r0["policy"],
             "params": r0["params"],
             "key_inputs": r0.get("key_inputs"),
-            "comparison": comparison(r0["policy"], params),
+            "comparison": comparison(r0["policy"], params, r0.get("params")),
+            "settings": settings(r0.get("params") or {}),
             "evict_ratio": eviction_ratio(r0["policy"], params),
             "hbm_ratio": params.get("hbm_ratio"),
             # device tokens per sequence at the batch's peak (older records: at the end), and (baselines) what the
@@ -203,7 +216,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, html: b
     rows = s["configs"]
     paths = {"json": out / "summary.json", "csv": out / "summary.csv", "md": out / "summary.md"}
     paths["json"].write_text(json.dumps(s, indent=2))
-    cols = ["benchmark", "policy", "comparison", "evict_ratio", "hbm_ratio", "mean_budget_tokens", "mean_device_tokens", "n", "accuracy", "ci_low", "ci_high", "retention",
+    cols = ["benchmark", "policy", "comparison", "settings", "evict_ratio", "hbm_ratio", "mean_budget_tokens", "mean_device_tokens", "n", "accuracy", "ci_low", "ci_high", "retention",
             "mcnemar_p", "identical_to_full", "mean_device_kv_bytes", "device_kv_vs_full", "mean_generated_tokens", "params"]
     with open(paths["csv"], "w", newline="") as f:
         w = csv.writer(f)
@@ -217,12 +230,12 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, html: b
              "Budget: what a baseline's budget allowed at the end (mean tokens per problem, its forced set included); "
              "device tokens: what each policy held on the device per sequence at its peak (records from before peaks "
              "were recorded: at the end); device KV vs full compares those peaks.", "",
-             "| benchmark | policy | comparison | evict | hbm | budget (tokens) | device tokens | n | accuracy (95% CI) | retention | McNemar p vs full | identical to full | device KV vs full |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| benchmark | policy | comparison | settings | evict | hbm | budget (tokens) | device tokens | n | accuracy (95% CI) | retention | McNemar p vs full | identical to full | device KV vs full |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         budget = "–" if r.get("mean_budget_tokens") is None else f"{r['mean_budget_tokens']:.0f}"
         lines.append(
-            f"| {r['benchmark']} | {r['policy']} | {r['comparison']} | {_fmt(r['evict_ratio'])} | {_fmt(r['hbm_ratio'])} | "
+            f"| {r['benchmark']} | {r['policy']} | {r['comparison']} | {r['settings'] or '–'} | {_fmt(r['evict_ratio'])} | {_fmt(r['hbm_ratio'])} | "
             f"{budget} | {r['mean_device_tokens']:.0f} | {r['n']} | "
             f"{100 * r['accuracy']:.1f}% ({100 * r['ci_low']:.1f}–{100 * r['ci_high']:.1f}) | {_fmt(r.get('retention'), True)} | "
             f"{_fmt(r.get('mcnemar_p'))} | {_fmt(r.get('identical_to_full'), True)} | {_fmt(r.get('device_kv_vs_full'), True)} |"
