@@ -31,7 +31,8 @@ def test_verdicts_follow_their_rules():
     for b in ("h2o", "rkv"):
         recs += _cfg(b, correct={1}, budget_ratio=0.3, budget_floor=None)
     rows = {r["claim"].split(":")[0]: r for r in evaluate(recs)}
-    assert rows["C1 eviction cliff"]["verdict"] == "reproduced"
+    assert rows["C1 eviction cliff on gsm8k"]["verdict"] == "reproduced"
+    assert rows["C1 eviction cliff on math500"]["verdict"] == "not testable here"
     assert rows["C2 tiering holds on gsm8k"]["verdict"] == "reproduced"
     assert rows["C2 tiering holds on math500"]["verdict"] == "not testable here"  # no MATH-500 records
     c3 = rows["C3 HBM independence"]
@@ -48,6 +49,7 @@ def test_verdicts_can_go_the_other_way():
     recs += _cfg("tiered", correct=set(range(5)), hbm_ratio=0.3, evict_ratio=0.03)  # loses 15 of 20
     recs += _cfg("full", bench="math500?shuffle=0", correct={1})  # full at 2.5%: too weak to judge
     recs += _cfg("tiered", bench="math500?shuffle=0", correct={1}, hbm_ratio=0.3, evict_ratio=0.03)
+    recs += _cfg("evict", bench="math500?shuffle=0", correct=set(), evict_ratio=0.5)
     for h in (0.3, 0.5, 0.7):  # one completion differs at hbm 0.7
         comp = {3: "other"} if h == 0.7 else None
         recs += _cfg("tiered", correct=right, completions=comp, hbm_ratio=h, evict_ratio=0.1, attention="ordered")
@@ -57,7 +59,9 @@ def test_verdicts_can_go_the_other_way():
     recs += _cfg("tiered", correct={1}, hbm_ratio=0.3, evict_ratio=0.03, protect_prompt=False)
     recs += _cfg("h2o", correct=right, budget_ratio=0.3, budget_floor=None)
     rows = {r["claim"].split(":")[0]: r for r in evaluate(recs)}
-    assert rows["C1 eviction cliff"]["verdict"] == "not reproduced"
+    assert rows["C1 eviction cliff on gsm8k"]["verdict"] == "not reproduced"
+    c1m = rows["C1 eviction cliff on math500"]  # 1/40 -> 0/40 looks like a cliff, but full is too weak to judge
+    assert c1m["verdict"] == "not testable here" and "below 10%" in c1m["rule"] and "retention 0.0%" in c1m["kvtier"]
     assert rows["C2 tiering holds on gsm8k"]["verdict"] == "not reproduced"
     assert rows["C2 tiering holds on math500"]["verdict"] == "not testable here"
     assert "below 10%" in rows["C2 tiering holds on math500"]["rule"]
