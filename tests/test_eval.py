@@ -337,7 +337,7 @@ def test_sweep_parts_are_sub_grids_of_one_run(tmp_path):
     res = runner.invoke(app, ["report", str(out), "--claims"])
     assert res.exit_code == 0, res.output
     md = (out / "claims.md").read_text()
-    assert md.count("**not testable here**") == 6 and "| gsm8k | 2 |" in md  # no claim's configurations; 2 chains
+    assert md.count("**not testable here**") == 7 and "| gsm8k | 2 |" in md  # no claim's configurations; 2 chains
     assert json.loads((out / "claims.json").read_text())["chains"][0]["n"] == 2
     for bad, message in (({"parts": [{"policy": "full", "batch_size": 2}]}, "whole run"),
                          ({"parts": []}, "non-empty list"),

@@ -75,11 +75,15 @@ def test_split_matches_ordered(model_name, request):
         d_log = (log_s - log_o).abs().max().item()
         d_sc = ((c_s.scores() - c_o.scores()).abs() / c_o.scores().abs().clamp_min(1.0)).max().item()
         # int8 is discontinuous: K/V that differ by float32 rounding can land on adjacent int8 levels (one step is
-        # absmax/127), so with T2 the paths agree to a quantization step's effect, not to rounding (measured worst:
-        # 2e-4 with the eager partials, 2.2e-3 Llama with the fused CPU kernel, whose rounding differs more);
-        # without T2: float32 rounding drifting through 128 steps (measured worst: 8.9e-6 Qwen2, 1.2e-5 Llama)
-        assert d_log <= (2e-5 if quant == 0 else 5e-3), f"{what}: logits differ by {d_log}"
-        assert d_sc <= 2e-6, f"{what}: scores differ by {d_sc}"  # measured worst here: 1.0e-6
+        # absmax/127, ~0.8% of a token's largest value), so with T2 the paths agree to a few quantization steps'
+        # effect, not to rounding, and how many flips happen is luck of the CPU's rounding. Measured worst (Llama,
+        # logits up to ~8): Intel Xeon 2e-4 eager / 2.2e-3 fused kernel; AMD EPYC 1.07e-2 both (the first
+        # difference above 1e-4 appears after the reassignment at step 72, not before). Tokens and placements
+        # stay identical. Without T2: float32 rounding drifting through 128 steps (measured worst: 8.9e-6
+        # Qwen2, 1.3e-5 Llama)
+        assert d_log <= (2e-5 if quant == 0 else 3e-2), f"{what}: logits differ by {d_log}"
+        # scores: 1.0e-6 measured worst without T2; with T2 the same int8 flips move the weights (EPYC: 6.8e-4)
+        assert d_sc <= (2e-6 if quant == 0 else 2e-3), f"{what}: scores differ by {d_sc}"
         worst = {"logits": max(worst["logits"], d_log), "scores": max(worst["scores"], d_sc)}
         print(what, f"logits {d_log:.2e} scores {d_sc:.2e}")
         st = c_s.stats()
