@@ -27,10 +27,8 @@ def label(r: dict) -> str:
 
 def rows(run_dir: Path) -> tuple[list[str], list[list[str]]]:
     out, cols = [], []
-    files = sorted(run_dir.glob("*.json"), key=lambda f: (json.loads(f.read_text())["config"]["batches"],
-                                                           json.loads(f.read_text())["config"]["context"]))
-    for f in files:
-        d = json.loads(f.read_text())
+    runs = [json.loads(f.read_text()) for f in run_dir.glob("*.json")]
+    for d in sorted(runs, key=lambda d: (d["config"]["batches"], d["config"]["context"], d["config"]["dtype"] != "fp32")):
         cfg = d["config"]
         res = {label(r): r for r in d["results"]}
         full = res["full"]["ms_per_step_median"]
