@@ -3,8 +3,8 @@
     python benchmarks/kernel_micro.py --batch 4 --context 4096 --dtype bf16 [--threads 2] [--reps 200]
 
 Shapes are one layer of Qwen2.5-0.5B (2 kv-heads x 7 query heads, head dim 64). The kernel attends two regions
-(T0: 30% of the context, T1: the rest, as ``tiered`` hbm 0.3 lays them out) and, with ``--scores``, adds the
-merged weights to a float64 accumulator as every decode step does. Times are medians of interleaved repetitions
+(T0: 30% of the context, T1: the rest, as ``tiered`` hbm 0.3 lays them out), timed both with the score update
+(the merged weights added to a float64 accumulator, as every decode step does) and without it. Times are medians of interleaved repetitions
 (each repetition runs every variant once), so the ratios are side by side on one machine state.
 """
 

@@ -18,6 +18,7 @@ from .stats import cochran_q, mcnemar_exact, wilson
 
 BASELINES = ("h2o", "rkv", "snapkv_decode", "streaming_llm")
 MIN_FULL_ACCURACY = 0.10  # below this, retention is a ratio of two small noisy numbers
+TOO_WEAK = ("not testable here", f"full accuracy below {100 * MIN_FULL_ACCURACY:.0f}%")  # verdict, rule
 
 
 def _configs(records: list[dict]) -> dict[str, list[dict]]:
@@ -98,7 +99,7 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
         p = paired(full[bench], ev)
         rule = "reproduced if retention <= 25% and McNemar p < 0.05"
         if p["a"]["accuracy"] < MIN_FULL_ACCURACY:
-            verdict, rule = "not testable here", f"full accuracy below {100 * MIN_FULL_ACCURACY:.0f}%"
+            verdict, rule = TOO_WEAK
         elif p["retention"] is not None and p["retention"] <= 0.25 and p["mcnemar_p"] < 0.05:
             verdict = "reproduced"
         elif p["mcnemar_p"] < 0.05:
@@ -120,7 +121,7 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
             continue
         p = paired(full[bench], t)
         if p["a"]["accuracy"] < MIN_FULL_ACCURACY:
-            verdict, rule = "not testable here", f"full accuracy below {100 * MIN_FULL_ACCURACY:.0f}%"
+            verdict, rule = TOO_WEAK
         elif p["retention"] >= paper_ret:
             verdict, rule = "reproduced", f"retention >= the paper's {100 * paper_ret:.0f}%"
         elif p["mcnemar_p"] < 0.05:
