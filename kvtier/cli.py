@@ -879,8 +879,10 @@ def print_bench(res: dict) -> None:
                   f"{r['h2d_bytes_per_step'] / mib:.2f}" if "h2d_bytes_per_step" in r else "–",
                   f"{r['peak_device_bytes'] / mib:.0f}" if r.get("peak_device_bytes") else "–",
                   f"{kv['T0'] / mib:.1f}/{kv['T1'] / mib:.1f}/{kv['T2'] / mib:.1f}")
-    # A wide table: keep it whole when the output goes to a file or a log rather than a terminal.
-    (console if console.is_terminal else Console(width=220)).print(t)
+    # A wide table: keep it whole when the output goes to a file or a log rather than a terminal. A fixed 220
+    # columns still wrapped the params cell whenever the number columns came out wide; rich prints a table at
+    # its natural width, so a console far wider than any row never wraps and pads nothing.
+    (console if console.is_terminal else Console(width=1000)).print(t)
 
 
 @app.command()
