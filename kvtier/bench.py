@@ -117,6 +117,8 @@ def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
         out.append(("stock_sdpa", {}))
         out.append(("stock_static", {}))
     out.append(("full", {}))
+    if len(cfg.kernels) > 1:  # full's own implementations (the kernel without scores, SDPA) beside its default
+        out.extend(("full", {"kernel": k}) for k in cfg.kernels if k != "auto")
     if "ordered" in cfg.attentions:
         out.append(("full", {"attention": "ordered"}))
     for p in cfg.policies:

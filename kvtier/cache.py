@@ -150,8 +150,10 @@ class TierState:
 
     def _want_fused(self, k: torch.Tensor) -> bool:
         """The fused CPU kernel attends every region in one call where all of them are in CPU memory (a CPU
-        device) and the host tiers are not on a worker thread; ``kernel="fused"`` insists, ``"eager"`` refuses."""
-        if self.kernel == "eager" or not self.retier_enabled or self.attention != "split":
+        device) and the host tiers are not on a worker thread; ``kernel="fused"`` insists, ``"eager"`` refuses.
+        The full cache (one region, no scores) takes it under ``"auto"`` unless SDPA is the faster one on this CPU
+        (:func:`kvtier.fused_cpu.sdpa_is_faster`); its eager path is SDPA."""
+        if self.kernel == "eager" or self.attention != "split":
             return False
         why = None
         if k.device.type != "cpu":
@@ -164,6 +166,8 @@ class TierState:
             why = "it could not be built (see the log)"
         if why is not None and self.kernel == "fused":
             raise ValueError(f"kernel='fused' is not possible for policy {self.policy!r}: {why}")
+        if why is None and not self.retier_enabled and self.kernel == "auto":
+            return not fused_cpu.sdpa_is_faster(k.dtype)
         return why is None
 
     def _grow(self, need: int) -> None:
@@ -679,15 +683,22 @@ class TieredLayer(KVTierLayer):
         return out.reshape(B, Hq, 1, D).transpose(1, 2), None
 
     def _attend_full(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """Split mode without scores (the full cache): one region, the fused kernel.
+        """Split mode without scores (the full cache): one region, read in place by the fused CPU kernel or SDPA.
 
         The query heads of one KV head attend as one group: ``query`` (B, Hq, 1, D) is viewed as (B, H_kv, Hq/H_kv,
         D) — Hq/H_kv "query positions" per KV head, nothing causal between them — rather than passing
-        ``enable_gqa``, which on CPU falls off the fused kernel (2-3x slower at 2K-8K tokens, measured)."""
+        ``enable_gqa``, which on CPU falls off SDPA's fused kernel (2-3x slower at 2K-8K tokens, measured)."""
         st = self.state
         n = st.n_total
         B, Hq, _, D = query.shape
         H = self.tail_k.shape[1]
+        if st.fused:
+            # the whole buffer with its closed columns (-inf, never read) rather than a slice: the mask and
+            # positions are rebuilt only when the buffer grows, and one column opens per step
+            bias, pos = st.device_view(0, self.tail_k.shape[2])
+            out = fused_cpu.attend(query.reshape(B, H, Hq // H, D), [self.dev_k], [self.dev_v], [bias], [pos], None,
+                                   0.0, scaling)
+            return out.reshape(B, Hq, 1, D)
         mask = st.valid_dev[:, :n].view(st.batch, 1, 1, n) if st.padded else None
         out = F.scaled_dot_product_attention(query.reshape(B, H, Hq // H, D), self.tail_k[:, :, :n], self.tail_v[:, :, :n],
                                              attn_mask=mask, scale=scaling)
@@ -920,7 +931,7 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         "t1_on_device": st.t1_on_device,
         "attention": st.attention,
         "kernel": {"requested": st.kernel, "current": ("fused" if st.fused else "eager")
-                   if st.retier_enabled and st.attention == "split" else None},
+                   if st.attention == "split" else None},
         "t1_attention": {"requested": st.t1_attention, "current": ("host" if st.host_attn else "stream")
                          if tokens["T1"] + tokens["T2"] else None, "reassignments": dict(st.t1_modes),
                          "host_jobs": st.host.jobs, "bandwidth": st.bandwidth},

@@ -95,6 +95,16 @@ def bf16_dots() -> bool:
     return bool(mod is not None and mod.bf16_dots())
 
 
+def sdpa_is_faster(dtype: torch.dtype) -> bool:
+    """Whether torch's SDPA beats this kernel over one region without scores (the ``full`` cache's step), so that
+    ``kernel="auto"`` leaves ``full`` on SDPA: on CPUs with AMX tiles in bfloat16, where oneDNN multiplies on AMX
+    (an Intel Xeon with AMX-BF16: ``tiered``'s kernel steps ran 0.88-0.93x ``full``'s SDPA ones at batch 4).
+    Elsewhere the kernel took 0.69-0.84x SDPA's time per layer in bfloat16 and 0.52-0.90x in float32 (AMD EPYC
+    with AVX512-BF16, 512-8192 tokens, batch 1 and 4: ``benchmarks/kernel_micro.py``). A rule by ISA, not a timing
+    at start, so that one machine always runs one path (a reference policy's floats must not depend on load)."""
+    return dtype == torch.bfloat16 and "amx_bf16" in _cpu_signature().split()
+
+
 def supports(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16)
 
@@ -105,7 +115,8 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
     """Softmax of ``qg`` over the union of the regions, and (optionally) the score update.
 
     Args:
-        qg: (B, H, g, D) queries grouped by kv-head (any float dtype; used as float32).
+        qg: (B, H, g, D) queries grouped by kv-head: float32 or bfloat16 are read as they are (widened per head
+            inside the kernel), any other float dtype is converted to float32 first.
         ks, vs: per region (B, H, C_r, D), float32 or bfloat16, last dim contiguous (strided views are fine).
         biases: per region (B, 1, 1, C_r) float32, 0 on kept columns and -inf elsewhere (masked columns are
             never read).
@@ -113,13 +124,16 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
         scores: per region the (B, N + 1) float64 accumulator its weights go to (regions may share one), or None.
         score_scale: factor on each weight (1 / (layers * query heads): the mean over layers and heads).
     Returns:
-        (B, H, g, D) float32, the normalised attention output.
+        (B, H, g, D) in ``qg``'s dtype (float32 for other dtypes), the normalised attention output: float32
+        statistics and sums, a bfloat16 output rounded once (as ``.to(torch.bfloat16)`` would).
     """
     mod = _module()
     if mod is None:
         raise RuntimeError("the fused CPU decode kernel is not available (see the log for why)")
-    return mod.fused_decode(qg.to(torch.float32).contiguous(), ks, vs, biases, poss, scores or [],
+    if qg.dtype not in (torch.float32, torch.bfloat16):
+        qg = qg.to(torch.float32)
+    return mod.fused_decode(qg.contiguous(), ks, vs, biases, poss, scores or [],
                             float(score_scale), float(scaling))
 
 
-__all__ = ["KERNEL_MODES", "attend", "available", "bf16_dots", "build_name", "supports"]
+__all__ = ["KERNEL_MODES", "attend", "available", "bf16_dots", "build_name", "sdpa_is_faster", "supports"]

@@ -79,6 +79,15 @@ def test_kernel_matches_the_eager_partials(dtype, D, seed, q_bf16):
     again = fused_cpu.attend(q, [r[0] for r in regs], [r[1] for r in regs], [r[2] for r in regs],
                              [r[3] for r in regs], None, 0.01, 0.2)
     assert torch.equal(again, out)
+    if q_bf16:
+        # a bfloat16 query (what a bf16 model passes) is read as it is and the output comes back in bfloat16,
+        # rounded once: bitwise what the float32 call gives, converted
+        scores16 = torch.full((B, n_pos), 0.5, dtype=torch.float64)
+        out16 = fused_cpu.attend(q.to(torch.bfloat16), [r[0] for r in regs], [r[1] for r in regs],
+                                 [r[2] for r in regs], [r[3] for r in regs], [scores16] * len(regs), 0.01, 0.2)
+        assert out16.dtype == torch.bfloat16
+        assert torch.equal(out16, out.to(torch.bfloat16))
+        assert torch.equal(scores16, scores)
 
 
 def test_kernel_rejects_bad_shapes():
@@ -129,9 +138,46 @@ def test_auto_uses_the_kernel_on_cpu_and_eager_where_asked(qwen2):
         cache = kvtier.make_cache("tiered", qwen2, kernel=kernel, protect_prompt=False, recent_window=4)
         decode_loop(qwen2, cache, ids, steps=2)
         assert cache.stats()["kernel"] == {"requested": kernel, "current": want}
-    full = kvtier.make_cache("full", qwen2)
+    for kernel, want in (("auto", "eager" if fused_cpu.sdpa_is_faster(torch.float32) else "fused"),
+                         ("fused", "fused"), ("eager", "eager")):
+        full = kvtier.make_cache("full", qwen2, kernel=kernel)
+        decode_loop(qwen2, full, ids, steps=2)
+        assert full.stats()["kernel"] == {"requested": kernel, "current": want}  # eager: SDPA
+    full = kvtier.make_cache("full", qwen2, attention="ordered")
     decode_loop(qwen2, full, ids, steps=2)
-    assert full.stats()["kernel"]["current"] is None  # full has one region: SDPA
+    assert full.stats()["kernel"]["current"] is None
+
+
+def test_sdpa_is_preferred_only_for_bf16_on_amx(monkeypatch):
+    monkeypatch.setattr(fused_cpu, "_cpu_signature", lambda: "fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile")
+    assert fused_cpu.sdpa_is_faster(torch.bfloat16) and not fused_cpu.sdpa_is_faster(torch.float32)
+    monkeypatch.setattr(fused_cpu, "_cpu_signature", lambda: "fpu sse2 avx512f avx512_bf16")
+    assert not fused_cpu.sdpa_is_faster(torch.bfloat16)
+
+
+@pytest.mark.parametrize("model_name", ["qwen2", "llama"])
+def test_full_on_the_kernel_equals_sdpa_and_ordered(model_name, request):
+    """The full cache read by the kernel (one region, no scores) gives SDPA's and the ordered path's tokens over
+    128 greedy steps of a left-padded batch, logits within 2e-5 (fp32 sums in other orders drifting through 128
+    steps, as in the tiered comparison above; 1.2e-5 seen), and the padding
+    is never attended (each row equals that row decoded alone)."""
+    model = request.getfixturevalue(model_name)
+    lengths, total = [9, 16, 5], 16
+    ids = torch.cat([prompt_ids(length=total, seed=40 + i) for i in range(len(lengths))])
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        mask[r, total - n:] = 1
+        ids[r, : total - n] = 0
+    seq_f, log_f, c_f = generate(model, "full", ids, new_tokens=128, attention_mask=mask, kernel="fused")
+    assert c_f.stats()["kernel"]["current"] == "fused"
+    for other in (dict(kernel="eager"), dict(attention="ordered")):
+        seq_o, log_o, _ = generate(model, "full", ids, new_tokens=128, attention_mask=mask, **other)
+        assert torch.equal(seq_f, seq_o), other
+        assert (log_f - log_o).abs().max().item() <= 2e-5, other
+    for r, n in enumerate(lengths):
+        alone, log_a, _ = generate(model, "full", ids[r : r + 1, total - n :], new_tokens=128, kernel="fused")
+        assert torch.equal(seq_f[r, total:], alone[0, n:]), f"row {r}"
+        assert (log_f[:, r] - log_a[:, 0]).abs().max().item() <= 2e-5, f"row {r}"
 
 
 @pytest.mark.parametrize("params, match", [

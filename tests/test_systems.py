@@ -160,6 +160,8 @@ def test_bench_times_fused_and_eager_side_by_side(tmp_path):
     tiered = [r for r in rows if r["policy"] == "tiered"]
     assert [(r["params"]["kernel"], r["kernel"]) for r in tiered] == [("auto", "fused"), ("eager", "eager")]
     assert "host, auto->fused" in res.output and "host, eager" in res.output
+    fulls = [(r["params"], r["kernel"]) for r in rows if r["policy"] == "full"]
+    assert fulls == [({}, "fused"), ({"kernel": "eager"}, "eager")]  # full's default, and SDPA beside it
     bad = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--kernel", "fast", "--device", "cpu"])
     assert bad.exit_code != 0 and "--kernel values must be among" in bad.output
 

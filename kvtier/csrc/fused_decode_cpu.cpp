@@ -182,11 +182,13 @@ inline void add_one_value(const float* e, int64_t ld, const float* vr, int64_t g
   }
 }
 
-template <typename T>
-void run(const float* q, float* out, float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t g,
+// q and out (B, H, g, D) contiguous, float32 or bfloat16 (QO): the query is widened and the output rounded here,
+// per head, rather than by two tensor conversions per layer around the call.
+template <typename T, typename QO>
+void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t g,
          int64_t D, int64_t Ctot, float scaling, bool want_scores) {
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf;
+    thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf, qf_buf;
     thread_local std::vector<uint16_t> qb_buf;
     s_buf.resize(static_cast<size_t>(g * Ctot));
     qb_buf.resize(static_cast<size_t>(g * D));
@@ -194,6 +196,7 @@ void run(const float* q, float* out, float* w, const std::vector<Region>& regs, 
     o_buf.resize(static_cast<size_t>(g * D));
     m_buf.resize(static_cast<size_t>(g));
     l_buf.resize(static_cast<size_t>(g));
+    qf_buf.resize(static_cast<size_t>(g * D));
     float* s = s_buf.data();
     float* tmp = tmp_buf.data();
     float* o = o_buf.data();
@@ -202,7 +205,7 @@ void run(const float* q, float* out, float* w, const std::vector<Region>& regs, 
     uint16_t* qb = qb_buf.data();
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / H, h = t % H;
-      const float* qh = q + t * g * D;  // q is (B, H, g, D) contiguous
+      const float* qh = as_float<QO>(q + t * g * D, qf_buf.data(), g * D);  // q is (B, H, g, D) contiguous
       for (int64_t gi = 0; gi < g; ++gi) m[gi] = kNegInf;
       bool bf16_dots = false;
 #ifdef KVTIER_DPBF16
@@ -315,10 +318,10 @@ void run(const float* q, float* out, float* w, const std::vector<Region>& regs, 
         }
         off += r.C;
       }
-      float* oh = out + t * g * D;
+      QO* oh = out + t * g * D;
       for (int64_t gi = 0; gi < g; ++gi) {
         const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
-        for (int64_t d = 0; d < D; ++d) oh[gi * D + d] = o[gi * D + d] * inv;
+        for (int64_t d = 0; d < D; ++d) oh[gi * D + d] = static_cast<QO>(o[gi * D + d] * inv);
       }
       if (want_scores) {
         // merged weight of each key summed over the group's query heads: w[b, h, j] (B, H, Ctot)
@@ -359,13 +362,15 @@ void fold_scores(const float* w, const std::vector<Region>& regs, int64_t B, int
 
 }  // namespace
 
-// q (B, H, g, D) float32 contiguous; ks/vs (B, H, C_r, D) float32 or bfloat16 (same for all), last dim contiguous;
+// q (B, H, g, D) float32 or bfloat16 contiguous; ks/vs (B, H, C_r, D) float32 or bfloat16 (same for all), last dim contiguous;
 // biases (B, 1, 1, C_r) float32 (0 kept, -inf masked); poss (B, C_r) int64; scores: one (B, N + 1) float64
-// accumulator per region (or an empty list: no scores). Returns the normalised output (B, H, g, D) float32.
+// accumulator per region (or an empty list: no scores). Returns the normalised output (B, H, g, D) in q's dtype
+// (float32 statistics and sums throughout; a bfloat16 output is rounded once, to nearest even).
 torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
                            std::vector<torch::Tensor> biases, std::vector<torch::Tensor> poss,
                            std::vector<torch::Tensor> scores, double score_scale, double scaling) {
-  TORCH_CHECK(q.dim() == 4 && q.scalar_type() == at::kFloat && q.is_contiguous(), "q: (B, H, g, D) float32 contiguous");
+  TORCH_CHECK(q.dim() == 4 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
+              "q: (B, H, g, D) float32 or bfloat16 contiguous");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), D = q.size(3);
   const size_t R = ks.size();
   TORCH_CHECK(R >= 1 && vs.size() == R && biases.size() == R && poss.size() == R, "one k, v, bias, pos per region");
@@ -405,11 +410,17 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
   thread_local std::vector<float> w_buf;
   if (want_scores) w_buf.resize(static_cast<size_t>(B * H * Ctot));
   float* wp = want_scores ? w_buf.data() : nullptr;
-  if (kv_type == at::kFloat)
-    run<float>(q.data_ptr<float>(), out.data_ptr<float>(), wp, regs, B, H, g, D, Ctot, float(scaling), want_scores);
+  const float sc = static_cast<float>(scaling);
+  const bool q16 = q.scalar_type() == at::kBFloat16;
+  using bf16 = c10::BFloat16;
+  if (kv_type == at::kFloat && !q16)
+    run<float, float>(q.data_ptr<float>(), out.data_ptr<float>(), wp, regs, B, H, g, D, Ctot, sc, want_scores);
+  else if (kv_type == at::kFloat)
+    run<float, bf16>(q.data_ptr<bf16>(), out.data_ptr<bf16>(), wp, regs, B, H, g, D, Ctot, sc, want_scores);
+  else if (!q16)
+    run<bf16, float>(q.data_ptr<float>(), out.data_ptr<float>(), wp, regs, B, H, g, D, Ctot, sc, want_scores);
   else
-    run<c10::BFloat16>(q.data_ptr<float>(), out.data_ptr<float>(), wp, regs, B, H, g, D, Ctot, float(scaling),
-                       want_scores);
+    run<bf16, bf16>(q.data_ptr<bf16>(), out.data_ptr<bf16>(), wp, regs, B, H, g, D, Ctot, sc, want_scores);
   if (want_scores) fold_scores(wp, regs, B, H, Ctot, score_scale);
   return out;
 }

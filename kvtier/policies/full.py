@@ -2,7 +2,9 @@
 
 It is the reference every other policy is compared with; with ``attention="ordered"`` on both, ``tiered`` at
 ``evict_ratio=0`` gives bit-identical outputs (Proposition 1). In the default split mode it has one region and no
-scores to keep, so it attends with the fused SDPA kernel.
+scores to keep: it is read in place, by the fused CPU kernel (:mod:`kvtier.fused_cpu`, without its score update) on
+a CPU where that is the faster path, else by torch's SDPA (``kernel="eager"`` always SDPA, ``"fused"`` insists on
+the kernel; see :func:`kvtier.fused_cpu.sdpa_is_faster`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,6 @@ class FullPolicy(Policy):
     description = "keep everything on the device (reference)"
 
     @classmethod
-    def build(cls, num_layers: int, attention: str = "split") -> KVTierCache:
+    def build(cls, num_layers: int, attention: str = "split", kernel: str = "auto") -> KVTierCache:
         cfg = TierConfig(hbm_ratio=1.0, quant_ratio=0.0, evict_ratio=0.0)
-        return KVTierCache(cfg, num_layers, retier=False, policy=cls.name, attention=attention)
+        return KVTierCache(cfg, num_layers, retier=False, policy=cls.name, attention=attention, kernel=kernel)
