@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 from . import fused_cpu
 from .config import TierConfig
-from .decode_attention import add_weights, mask_bias, merge, ordered, partial
-from .host_attention import HostAttention, HostRegion, host_tiers_partial
+from .decode_attention import Partial, add_weights, mask_bias, merge, ordered, partial
+from .host_attention import HostAttention, HostRegion, host_tiers_partial, stream_rows_for
 from .layer_base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
 from .layout import TAIL, Layout, build_layout, gather_rows
 from .planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
@@ -91,6 +91,9 @@ class TierState:
         self.fused = False  # this cache's split decode runs the fused CPU kernel (decided at the first update)
         self.host: HostAttention | None = None
         self.bandwidth: dict[str, float] | None = None
+        # rows that stream their host tiers, in place of the per-layout choice (tests and tuning; eager path only:
+        # the fused CPU kernel attends every tier in place)
+        self.fixed_stream_rows: int | None = None
         self.recorder = None  # a kvtier.tiermap.TierRecorder when make_cache(..., record_tiers=...) asked for one
         self.reset()
 
@@ -117,7 +120,8 @@ class TierState:
         self.since_retier = 0
         self.retiers = 0
         self.changed_total: dict[str, int] = {}
-        self.host_attn = False  # this layout's T1/T2 are attended on the host
+        self.host_attn = False  # some rows of this layout attend their T1/T2 on the host
+        self.stream_rows = 0  # rows [0, stream_rows) stream their T1/T2 to the device, the rest attend them on the host
         self.t1_modes: dict[str, int] = {}  # reassignments per chosen T1 mode
         self._meta: dict = {}
         self._meta_key = None
@@ -269,6 +273,7 @@ class TierState:
             self.host.flush(self.inv_heads_layers)
             n = self.n_total
             on_host = (self.loc_tier[:, :n] == T1) | (self.loc_tier[:, :n] == T2)
+            on_host[: self.stream_rows] = False  # those rows stream: their T1/T2 weights went to the device
             s[:, :n] = torch.where(on_host, self.scores_host[:, :n], s[:, :n])
         return s
 
@@ -310,8 +315,9 @@ class TierState:
         self.since_retier = 0
         for key, v in self.layout.changed.items():
             self.changed_total[key] = self.changed_total.get(key, 0) + v
-        self.host_attn = self._choose_host()
-        mode = "host" if self.host_attn else "stream"
+        self.stream_rows = self._choose_stream_rows()
+        self.host_attn = self.stream_rows < self.batch
+        mode = self.t1_mode
         self.t1_modes[mode] = self.t1_modes.get(mode, 0) + 1
         if combined is not None and was_host:
             self.scores.copy_(combined.to(self.device))  # the host part comes home; tokens may change sides
@@ -324,19 +330,26 @@ class TierState:
         elem = torch.empty(0, dtype=self.dtype).element_size()
         return self.batch * H * (lay.tiers[T1].cap * D * 2 * elem + lay.tiers[T2].cap * (D + 4) * 2)
 
-    def _choose_host(self) -> bool:
-        """T1 mode of this layout. ``auto``: on a CPU the host *is* the device, so attending in place beats a copy;
-        on CUDA compare the time to stream the host tiers (pinned H2D) with the time to attend them on the host,
-        from bandwidths measured once."""
+    @property
+    def t1_mode(self) -> str:
+        """This layout's T1 mode: "stream", "host", or "both" (some rows each way)."""
+        return "stream" if self.stream_rows >= self.batch else "host" if self.stream_rows == 0 else "both"
+
+    def _choose_stream_rows(self) -> int:
+        """How many rows (the first ones) stream their host tiers this layout; the others attend them on the host.
+        ``auto``: on a CPU the host *is* the device, so attending in place beats a copy (0); on CUDA the split of the
+        batch at which streaming and host attention, running side by side, finish together
+        (:func:`kvtier.host_attention.stream_rows_for`), from bandwidths measured once."""
+        B = self.batch
         if self.attention == "ordered" or self.t1_on_device or self.t1_attention == "stream":
-            return False
-        if self.t1_attention == "host":
-            return True
-        if self.device.type != "cuda":
-            return True
+            return B
+        if self.fixed_stream_rows is not None and not self.fused:
+            return max(0, min(B, int(self.fixed_stream_rows)))
+        if self.t1_attention == "host" or self.device.type != "cuda":
+            return 0
         bw = self.measure_bandwidth()
-        b = self._host_bytes_per_layer()
-        return b / (bw["host_attention_gbps"] * 1e9) + bw["host_latency_s"] < b / (bw["h2d_gbps"] * 1e9)
+        return stream_rows_for(B, self._host_bytes_per_layer() / B, bw["h2d_gbps"], bw["host_attention_gbps"],
+                               bw["host_latency_s"])
 
     def measure_bandwidth(self) -> dict[str, float]:
         """Pinned H2D GB/s and host-attention GB/s (+ one round trip's latency), measured once per cache."""
@@ -606,20 +619,21 @@ class TieredLayer(KVTierLayer):
         self.version = st.version
         st.note_device(self.layer_idx, self._device_bytes())
 
-    def _host_tensors(self) -> dict[str, torch.Tensor]:
+    def _host_tensors(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """This layer's host tiers, for ``rows`` (a leading-dimension slice: contiguous, so it copies as one block)."""
         lay = self.state.layout
         out = {}
         if lay.tiers[T1].width:
-            out.update(k1=self.k1, v1=self.v1)
+            out.update(k1=self.k1[rows], v1=self.v1[rows])
         if lay.tiers[T2].width:
-            out.update(k2=self.k2, v2=self.v2, k2s=self.k2s, v2s=self.v2s)
+            out.update(k2=self.k2[rows], v2=self.v2[rows], k2s=self.k2s[rows], v2s=self.v2s[rows])
         return out
 
-    def _staged(self) -> dict[str, torch.Tensor]:
-        """Device copies of this layer's host tiers (``stream``): from a prefetch, a per-layer persistent copy
-        (``t1_on_device``, staged once per reassignment) or copied now."""
+    def _staged(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
+        """Device copies of this layer's host tiers (``stream``) for ``rows``: from a prefetch, a per-layer
+        persistent copy (``t1_on_device``, staged once per reassignment) or copied now."""
         st, eng = self.state, self.state.engine
-        host = self._host_tensors()
+        host = self._host_tensors(rows)
         if st.t1_on_device:
             return eng.take(self.layer_idx, (self.layer_idx, "v", st.version), host)
         return eng.take(0, (self.layer_idx, st.n_total), host)
@@ -635,12 +649,12 @@ class TieredLayer(KVTierLayer):
         st = self.state
         nxt = self.layer_idx + 1
         layers = getattr(st, "layers", None)
-        if not st.engine.is_cuda or st.host_attn or layers is None or nxt >= len(layers):
+        if not st.engine.is_cuda or st.stream_rows == 0 or layers is None or nxt >= len(layers):
             return
         other = layers[nxt]
         if other.version != st.version or not other.is_initialized:
             return  # its migration for this step has not run yet: it stages for itself
-        host = other._host_tensors()
+        host = other._host_tensors(slice(0, st.stream_rows))
         if host:
             st.engine.stage(0, (nxt, st.n_total), host)
 
@@ -717,33 +731,40 @@ class TieredLayer(KVTierLayer):
         host_tiers = [x for x in (T1, T2) if lay.tiers[x].count]
         if st.fused:
             return self._attend_fused(qg, host_tiers, meta, scaling, inv).to(query.dtype)
+        # rows [0, r) stream their host tiers to the device, rows [r, B) attend them on the host ("both" when
+        # 0 < r < B): each row's host tiers give one partial either way, and the two row blocks make one
+        r = st.stream_rows
+        on_host, streamed = slice(r, B), slice(0, r)
         job = None
-        if host_tiers and st.host_attn:
-            job = st.host.submit(self.layer_idx, qg, self._host_regions(host_tiers, meta, on_host=True), scaling, keep, inv)
+        if host_tiers and r < B:
+            job = st.host.submit(self.layer_idx, qg[on_host], self._host_regions(host_tiers, meta, True, on_host),
+                                 scaling, keep, inv, row0=r)
         # T0 and the tail are one contiguous device buffer, attended whole (empty slots and columns masked)
         bias, dpos = st.device_view(self.cap0, self.tail_k.shape[2])
         parts = [partial(qg, self.dev_k, self.dev_v, bias, scaling, keep)]
-        pos = [dpos]
-        host_state = None
+        host_state = stream_state = None
         if host_tiers:
+            pieces = []
+            if r > 0:
+                regions = self._host_regions(host_tiers, meta, False, streamed)
+                sp, sparts, cs = host_tiers_partial(qg[streamed], regions, scaling, keep, query.dtype)
+                stream_state = (sparts, cs, [x.pos for x in regions])
+                self._release()
+                pieces.append(sp)
             if job is not None:
                 hp, host_state = st.host.result(job)
-            else:
-                regions = self._host_regions(host_tiers, meta, on_host=False)
-                hp, hparts, cs = host_tiers_partial(qg, regions, scaling, keep, query.dtype)
-                host_state = (hparts, cs, [r.pos for r in regions])
-                self._release()
-            parts.append(hp)
+                pieces.append(hp)
+            parts.append(pieces[0] if len(pieces) == 1 else
+                         Partial(*(torch.cat([getattr(p, a) for p in pieces]) for a in ("o", "m", "l"))))
         out, fs = merge(parts)
-        for p, f, ps in zip(parts, fs, pos):
-            add_weights(st.scores, ps, p.e, f, inv)
+        add_weights(st.scores, dpos, parts[0].e, fs[0], inv)
         if host_tiers:
             f_host = fs[-1]
+            if stream_state is not None:
+                for p, c, ps in zip(*stream_state):
+                    add_weights(st.scores[streamed], ps, p.e, c * f_host[streamed], inv)
             if job is not None:
-                st.host.post(self.layer_idx, host_state, f_host)
-            else:
-                for p, c, ps in zip(*host_state):
-                    add_weights(st.scores, ps, p.e, c * f_host, inv)
+                st.host.post(self.layer_idx, host_state, f_host[on_host])
         return out.to(query.dtype)
 
     def _attend_fused(self, qg: torch.Tensor, host_tiers: list[int], meta: dict, scaling: float, inv: float
@@ -767,11 +788,13 @@ class TieredLayer(KVTierLayer):
             self._release()
         return out
 
-    def _host_regions(self, tiers: list[int], meta: dict, on_host: bool) -> list[HostRegion]:
-        src = self._host_tensors() if on_host else self._staged()
+    def _host_regions(self, tiers: list[int], meta: dict, on_host: bool, rows: slice = slice(None)
+                      ) -> list[HostRegion]:
+        src = self._host_tensors(rows) if on_host else self._staged(rows)
         out = []
         for x in tiers:
             pos, bias = meta[("host", x)] if on_host else meta[x]
+            pos, bias = pos[rows], bias[rows]
             if x == T1:
                 out.append(HostRegion(src["k1"], src["v1"], bias, pos))
             else:
@@ -932,8 +955,8 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         "attention": st.attention,
         "kernel": {"requested": st.kernel, "current": ("fused" if st.fused else "eager")
                    if st.attention == "split" else None},
-        "t1_attention": {"requested": st.t1_attention, "current": ("host" if st.host_attn else "stream")
-                         if tokens["T1"] + tokens["T2"] else None, "reassignments": dict(st.t1_modes),
+        "t1_attention": {"requested": st.t1_attention, "current": st.t1_mode if tokens["T1"] + tokens["T2"] else None,
+                         "stream_rows": st.stream_rows, "reassignments": dict(st.t1_modes),
                          "host_jobs": st.host.jobs, "bandwidth": st.bandwidth},
         "effective_ratios": {k: (v / logical if logical else 0.0) for k, v in tokens.items()},
         "logical_tokens": logical,

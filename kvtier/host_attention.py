@@ -54,6 +54,21 @@ def host_tiers_partial(qg: torch.Tensor, regions: list[HostRegion], scaling: flo
     return merged, parts, cs
 
 
+def stream_rows_for(batch: int, row_bytes: float, h2d_gbps: float, host_gbps: float, host_latency_s: float) -> int:
+    """Rows (of ``batch``) whose host tiers to stream so that the step's host-tier time is least, given that the
+    streamed rows (pinned H2D, ``row_bytes`` each) and the host-attended ones (``row_bytes`` each at ``host_gbps``,
+    plus one round trip) run side by side: ``argmin_r max(r * row_bytes / h2d, (batch - r) * row_bytes / host +
+    latency)``, the latency only when a row is left to the host. Ties go to fewer streamed rows (less PCIe
+    traffic). The batch is split by rows because a row's tiers are one contiguous block in host memory (a slot
+    range of every row would copy strided); at batch 1 this is the choice of one mode."""
+    def cost(r: int) -> float:
+        stream = r * row_bytes / (h2d_gbps * 1e9)
+        host = (batch - r) * row_bytes / (host_gbps * 1e9) + host_latency_s if r < batch else 0.0
+        return max(stream, host)
+
+    return min(range(batch + 1), key=lambda r: (cost(r), r))
+
+
 class _Done:
     """A finished job (inline execution), shaped like a Future."""
 
@@ -89,8 +104,9 @@ class HostAttention:
 
     # ---- per layer and step ------------------------------------------------------------------
     def submit(self, layer: int, qg: torch.Tensor, regions: list[HostRegion], scaling: float, keep: bool,
-               inv: float) -> Future | _Done:
-        """Start the host partial of ``regions`` for queries ``qg`` (B, H, g, D) on the device."""
+               inv: float, row0: int = 0) -> Future | _Done:
+        """Start the host partial of ``regions`` for queries ``qg`` (B', H, g, D) on the device: the cache's rows
+        ``row0 .. row0 + B'`` (the others stream their host tiers), whose scores fold into those accumulator rows."""
         ready = None
         if self.is_cuda:
             if self._q is None or self._q.shape != qg.shape or self._q.dtype != qg.dtype:
@@ -101,11 +117,11 @@ class HostAttention:
             q_host = self._q
         else:
             q_host = qg
-        job = lambda: self._job(layer, q_host, ready, regions, scaling, keep, inv)  # noqa: E731
+        job = lambda: self._job(layer, q_host, ready, regions, scaling, keep, inv, row0)  # noqa: E731
         self.jobs += 1
         return self.pool.submit(job) if self.pool is not None else _Done(job())
 
-    def _job(self, layer, q_host, ready, regions, scaling, keep, inv):
+    def _job(self, layer, q_host, ready, regions, scaling, keep, inv, row0):
         self._fold(layer, inv)  # the previous step's weights for this layer, in order
         if ready is not None:
             ready.synchronize()
@@ -119,18 +135,18 @@ class HostAttention:
             self._out[..., :D].copy_(merged.o)
             self._out[..., D : D + 1].copy_(merged.m)
             self._out[..., D + 1 :].copy_(merged.l)
-        return merged, parts, cs, [r.pos for r in regions]
+        return merged, parts, cs, [r.pos for r in regions], row0
 
     def result(self, handle) -> tuple[Partial, tuple]:
         """Wait for the host partial; returns it on the device and the host-side weight state for :meth:`post`."""
-        merged, parts, cs, pos = handle.result()
+        merged, parts, cs, pos, row0 = handle.result()
         if self.is_cuda:
             D = merged.o.shape[-1]
             buf = self._out.to(self.device, non_blocking=True)
             self._out_free = torch.cuda.Event()
             self._out_free.record(torch.cuda.current_stream(self.device))
             merged = Partial(buf[..., :D], buf[..., D : D + 1], buf[..., D + 1 :])
-        return merged, (parts, cs, pos)
+        return merged, (parts, cs, pos, row0)
 
     def post(self, layer: int, state: tuple, f: torch.Tensor) -> None:
         """Hand back the merge's factor ``f`` (B, H, g, 1) for the host partial; its weights are folded later."""
@@ -150,11 +166,12 @@ class HostAttention:
         pend = self._pending[layer]
         if pend is None:
             return
-        parts, cs, pos, f, event = pend
+        parts, cs, pos, row0, f, event = pend
         if event is not None:
             event.synchronize()
+        scores = self.scores[row0 : row0 + f.shape[0]]
         for p, c, ps in zip(parts, cs, pos):
-            add_weights(self.scores, ps, p.e, c * f, inv)
+            add_weights(scores, ps, p.e, c * f, inv)
         self._pending[layer] = None
 
     def flush(self, inv: float) -> None:
@@ -171,4 +188,4 @@ class HostAttention:
             self.pool = None
 
 
-__all__ = ["HostAttention", "HostRegion", "host_tiers_partial"]
+__all__ = ["HostAttention", "HostRegion", "host_tiers_partial", "stream_rows_for"]

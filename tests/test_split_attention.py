@@ -138,6 +138,58 @@ def test_host_t1_matches_streamed_t1(qwen2, threaded, kernel):
     assert sh["kernel"]["current"] == ss["kernel"]["current"] == kernel
 
 
+@pytest.mark.parametrize("rows, threaded", [(1, False), (2, True)])
+def test_rows_split_between_host_and_stream_match_streaming(qwen2, rows, threaded):
+    """"both": the first rows stream their T1/T2, the others attend them on the host (on a worker thread as on
+    CUDA, or inline), merged into one partial per row: the tokens, logits (within 1e-6), placements after every
+    one of 128 steps and scores of streaming every row, with fewer bytes streamed."""
+    ids = prompt_ids(batch=3, length=20, seed=9)
+    params = dict(hbm_ratio=0.2, evict_ratio=0.1, quant_ratio=0.1, retier_interval=8, recent_window=8, sink_tokens=2,
+                  protect_prompt=False, kernel="eager")
+    runs = {}
+    for mode in ("stream", "both"):
+        cache = kvtier.make_cache("tiered", qwen2, t1_attention="stream" if mode == "stream" else "auto", **params)
+        if mode == "both":
+            cache.state.fixed_stream_rows = rows
+            cache.state.host_threaded = threaded
+        seen = []
+        logits = decode_loop(qwen2, cache, ids, steps=128, on_step=lambda s, c: seen.append(c.tier_map()))
+        runs[mode] = (logits, cache, seen)
+    (log_s, c_s, m_s), (log_b, c_b, m_b) = runs["stream"], runs["both"]
+    assert (log_b - log_s).abs().max().item() <= 1e-6
+    assert len(m_b) == 128 and all(torch.equal(a, b) for a, b in zip(m_s, m_b))
+    assert (c_b.scores() - c_s.scores()).abs().max().item() <= 1e-12
+    sb, ss = c_b.stats(), c_s.stats()
+    assert sb["t1_attention"]["current"] == "both" and sb["t1_attention"]["stream_rows"] == rows
+    assert set(sb["t1_attention"]["reassignments"]) == {"both"}
+    assert 0 < sb["transfer"]["stream_h2d_bytes"] < ss["transfer"]["stream_h2d_bytes"]
+    assert sb["t1_attention"]["host_jobs"] >= 2 * 100 and c_b.state.host.threaded is threaded
+
+
+def test_the_fused_kernel_attends_every_row_in_place(qwen2):
+    """A fixed row split is for the eager (CUDA) path: on the fused CPU kernel every tier is read in place."""
+    cache = kvtier.make_cache("tiered", qwen2, kernel="fused", protect_prompt=False, recent_window=4,
+                              retier_interval=8)
+    cache.state.fixed_stream_rows = 1
+    decode_loop(qwen2, cache, prompt_ids(batch=2, length=20), steps=10)
+    assert cache.stats()["t1_attention"]["current"] == "host"
+
+
+def test_stream_rows_for_hand_computed_splits():
+    from kvtier.host_attention import stream_rows_for
+
+    # 8 rows of 100 MB: H2D 50 GB/s (2 ms a row), host 25 GB/s (4 ms a row), no latency: r streamed rows cost
+    # 2r ms against 4(8 - r) ms; r = 5: max(10, 12) = 12; r = 6: max(12, 8) = 12 -> the tie goes to 5
+    assert stream_rows_for(8, 100e6, 50.0, 25.0, 0.0) == 5
+    # a 10 ms round trip: r = 7 costs max(14, 4 + 10) = 14 < 16 (all streamed); with 20 ms, streaming all wins
+    assert stream_rows_for(8, 100e6, 50.0, 25.0, 0.010) == 7
+    assert stream_rows_for(8, 100e6, 50.0, 25.0, 0.020) == 8
+    # host twice as fast as PCIe (1 ms a row): r = 2 costs max(4, 6) = 6, r = 3 max(6, 5) = 6: the tie goes to 2
+    assert stream_rows_for(8, 100e6, 50.0, 100.0, 0.0) == 2
+    assert stream_rows_for(1, 100e6, 50.0, 25.0, 0.0) == 1  # batch 1: one mode, the faster (2 ms vs 4 ms)
+    assert stream_rows_for(1, 100e6, 25.0, 50.0, 0.0) == 0
+
+
 def test_auto_picks_host_on_cpu(qwen2):
     _, _, cache = generate(qwen2, "tiered", prompt_ids(length=20), new_tokens=20, retier_interval=8, recent_window=4,
                            protect_prompt=False)

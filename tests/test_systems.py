@@ -94,6 +94,34 @@ def test_cuda_tiered_matches_full_bitwise():
     assert torch.equal(outs[0], outs[1])
 
 
+@cuda
+def test_cuda_rows_split_between_host_and_stream():
+    """On CUDA: host rows on the worker thread with pinned q / partial / factor copies, streamed rows through the
+    staging slot (prefetched), one merge: the tokens and placements of streaming every row, logits within 1e-5."""
+    from kvtier.models import random_model
+
+    model = random_model("tiny-qwen2", device="cuda", dtype=torch.float32)
+    ids = torch.cat([prompt_ids(length=20, seed=s) for s in range(3)]).cuda()
+    params = dict(hbm_ratio=0.2, evict_ratio=0.1, quant_ratio=0.1, retier_interval=8, recent_window=8, sink_tokens=2,
+                  protect_prompt=False)
+    out = {}
+    for mode in ("stream", "both", "host"):
+        cache = kvtier.make_cache("tiered", model, t1_attention="stream" if mode == "stream" else "host"
+                                  if mode == "host" else "auto", **params)
+        if mode == "both":
+            cache.state.fixed_stream_rows = 2
+        o = model.generate(ids, attention_mask=torch.ones_like(ids), **cache_kw(model, cache), max_new_tokens=64,
+                           min_new_tokens=64, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                           pad_token_id=0)
+        out[mode] = (o.sequences, torch.stack(o.logits), cache.tier_map(), cache.stats())
+    for mode in ("both", "host"):
+        assert torch.equal(out[mode][0], out["stream"][0]) and torch.equal(out[mode][2], out["stream"][2]), mode
+        assert (out[mode][1] - out["stream"][1]).abs().max().item() <= 1e-5, mode
+    st = out["both"][3]
+    assert st["t1_attention"]["current"] == "both" and st["t1_attention"]["stream_rows"] == 2
+    assert 0 < st["transfer"]["stream_h2d_bytes"] < out["stream"][3]["transfer"]["stream_h2d_bytes"]
+
+
 def test_bench_cpu_json_schema(tmp_path):
     out = tmp_path / "bench.json"
     res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "32", "--new-tokens", "4",
