@@ -120,7 +120,6 @@ class TierState:
         self.since_retier = 0
         self.retiers = 0
         self.changed_total: dict[str, int] = {}
-        self.host_attn = False  # some rows of this layout attend their T1/T2 on the host
         self.stream_rows = 0  # rows [0, stream_rows) stream their T1/T2 to the device, the rest attend them on the host
         self.t1_modes: dict[str, int] = {}  # reassignments per chosen T1 mode
         self._meta: dict = {}
@@ -144,6 +143,7 @@ class TierState:
     def _init(self, k: torch.Tensor) -> None:
         B, H, _, D = k.shape
         self.batch, self.n_heads, self.head_dim, self.dtype, self.device = B, H, D, k.dtype, k.device
+        self.stream_rows = B  # until a layout chooses: nothing is attended on the host
         self.engine = TransferEngine(k.device, n_slots=self.num_layers if self.t1_on_device else 1)
         self.host = HostAttention(k.device, self.num_layers, threaded=self.host_threaded)
         self.fused = self._want_fused(k)
@@ -316,7 +316,6 @@ class TierState:
         for key, v in self.layout.changed.items():
             self.changed_total[key] = self.changed_total.get(key, 0) + v
         self.stream_rows = self._choose_stream_rows()
-        self.host_attn = self.stream_rows < self.batch
         mode = self.t1_mode
         self.t1_modes[mode] = self.t1_modes.get(mode, 0) + 1
         if combined is not None and was_host:
@@ -329,6 +328,11 @@ class TierState:
         lay, H, D = self.layout, self.n_heads, self.head_dim
         elem = torch.empty(0, dtype=self.dtype).element_size()
         return self.batch * H * (lay.tiers[T1].cap * D * 2 * elem + lay.tiers[T2].cap * (D + 4) * 2)
+
+    @property
+    def host_attn(self) -> bool:
+        """Some rows of this layout attend their T1/T2 on the host."""
+        return self.batch is not None and self.stream_rows < self.batch
 
     @property
     def t1_mode(self) -> str:
