@@ -47,6 +47,16 @@ def prompt_ids(batch=1, length=16, seed=0, vocab=256):
     return torch.randint(0, vocab, (batch, length), generator=g)
 
 
+def padded_batch(lengths, total, seed=0):
+    """Left-padded (B, total) ids and mask: row r holds ``lengths[r]`` real tokens (prompt seed ``seed + r``)."""
+    ids = torch.cat([prompt_ids(length=total, seed=seed + i) for i in range(len(lengths))])
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        mask[r, total - n :] = 1
+        ids[r, : total - n] = 0
+    return ids, mask
+
+
 def generate(model, policy, ids, new_tokens=64, attention_mask=None, **params):
     """Greedy generation through a kvtier cache; returns (sequences, logits (steps, B, V), cache)."""
     cache = kvtier.make_cache(policy, model, **params)

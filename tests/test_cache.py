@@ -6,22 +6,13 @@ import pytest
 import torch
 
 import kvtier
-from conftest import decode_loop, generate, prompt_ids
+from conftest import decode_loop, generate, padded_batch, prompt_ids
 from kvtier.config import budget
 from kvtier.layout import TAIL
 from kvtier.planner import T0, T1, T2, T3
 from kvtier.compat import cache_kw
 
 PARAMS = dict(hbm_ratio=0.3, quant_ratio=0.1, evict_ratio=0.1, retier_interval=8, recent_window=8, sink_tokens=2)
-
-
-def _padded_batch(lengths, total, seed=0):
-    ids = torch.cat([prompt_ids(length=total, seed=seed + i) for i in range(len(lengths))])
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(lengths):
-        mask[r, total - n :] = 1
-        ids[r, : total - n] = 0
-    return ids, mask
 
 
 @pytest.mark.parametrize("t1_attention", ["stream", "host"])
@@ -104,7 +95,7 @@ def test_stats_schema_and_effective_ratios(qwen2):
 
 def test_left_padded_batch_matches_each_row_alone(qwen2):
     lengths, total = [10, 16, 6], 16
-    ids, mask = _padded_batch(lengths, total, seed=11)
+    ids, mask = padded_batch(lengths, total, seed=11)
     params = dict(PARAMS, quant_ratio=0.0)
     seq, _, cache = generate(qwen2, "tiered", ids, new_tokens=64, attention_mask=mask, **params)
     assert cache.stats()["tokens"]["T3"] > 0
@@ -114,7 +105,7 @@ def test_left_padded_batch_matches_each_row_alone(qwen2):
 
 
 def test_padding_is_never_scored_or_counted(qwen2):
-    ids, mask = _padded_batch([5, 12], 12, seed=3)
+    ids, mask = padded_batch([5, 12], 12, seed=3)
     _, _, cache = generate(qwen2, "tiered", ids, new_tokens=40, attention_mask=mask, **PARAMS)
     st = cache.state
     assert int(st.valid[0, :7].sum()) == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kvtier
-from conftest import decode_loop, generate, prompt_ids
+from conftest import decode_loop, generate, padded_batch, prompt_ids
 from kvtier import fused_cpu
 from kvtier.decode_attention import add_weights, mask_bias, merge, partial
 
@@ -163,11 +163,7 @@ def test_full_on_the_kernel_equals_sdpa_and_ordered(model_name, request):
     is never attended (each row equals that row decoded alone)."""
     model = request.getfixturevalue(model_name)
     lengths, total = [9, 16, 5], 16
-    ids = torch.cat([prompt_ids(length=total, seed=40 + i) for i in range(len(lengths))])
-    mask = torch.zeros_like(ids)
-    for r, n in enumerate(lengths):
-        mask[r, total - n:] = 1
-        ids[r, : total - n] = 0
+    ids, mask = padded_batch(lengths, total, seed=40)
     seq_f, log_f, c_f = generate(model, "full", ids, new_tokens=128, attention_mask=mask, kernel="fused")
     assert c_f.stats()["kernel"]["current"] == "fused"
     for other in (dict(kernel="eager"), dict(attention="ordered")):
