@@ -6,13 +6,4 @@
 # 3.37 ms vs bf16 0.75 ms). ctx512_b1_fp32.* is one earlier fp32 point (the kernel's float32 path), kept.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-OUT=benchmarks/results/cpu_epyc_fused_2026-12-02
-for spec in "512 1 bf16" "2048 1 bf16" "4096 1 bf16" "8192 1 bf16" "512 4 bf16" "2048 4 bf16" "4096 4 bf16" "8192 4 bf16"; do
-  set -- $spec
-  [ -s "$OUT/ctx$1_b$2_$3.json" ] && continue  # resumable: a finished point is kept
-  ${KVTIER:-.venv/bin/kvtier} bench --model random:qwen2.5-0.5b --context "$1" --batch "$2" --dtype "$3" --device cpu \
-    --policy full,tiered --hbm-ratio 0.3 --evict-ratio 0.03 --attention split,ordered --t1-attention host,stream \
-    --interleave --no-warm-repeat --new-tokens 32 --warmup-steps 8 --repeats 1 \
-    --json "$OUT/ctx$1_b$2_$3.json" > "$OUT/ctx$1_b$2_$3.txt" 2>&1
-  echo "done $spec $(date -u +%FT%TZ)" >> "$OUT/progress.log"
-done
+exec benchmarks/cpu_decode_matrix.sh benchmarks/results/cpu_epyc_fused_2026-12-02 bf16
