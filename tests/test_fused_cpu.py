@@ -160,7 +160,9 @@ def test_full_on_the_kernel_equals_sdpa_and_ordered(model_name, request):
     """The full cache read by the kernel (one region, no scores) gives SDPA's and the ordered path's tokens over
     128 greedy steps of a left-padded batch, logits within 2e-5 (fp32 sums in other orders drifting through 128
     steps, as in the tiered comparison above; 1.2e-5 seen), and the padding
-    is never attended (each row equals that row decoded alone)."""
+    is never attended (each row equals that row decoded alone: same tokens, and logits as close as SDPA's own
+    batch-vs-alone drift allows; that drift comes from the model's GEMMs taking other shapes, not from attention,
+    and reached 1.6e-5 on an Intel Xeon with MKL, where the kernel's was 2.3e-5)."""
     model = request.getfixturevalue(model_name)
     lengths, total = [9, 16, 5], 16
     ids, mask = padded_batch(lengths, total, seed=40)
@@ -170,10 +172,15 @@ def test_full_on_the_kernel_equals_sdpa_and_ordered(model_name, request):
         seq_o, log_o, _ = generate(model, "full", ids, new_tokens=128, attention_mask=mask, **other)
         assert torch.equal(seq_f, seq_o), other
         assert (log_f - log_o).abs().max().item() <= 2e-5, other
+    seq_s, log_s, _ = generate(model, "full", ids, new_tokens=128, attention_mask=mask, kernel="eager")
+    drift, sdpa_drift = [], []
     for r, n in enumerate(lengths):
         alone, log_a, _ = generate(model, "full", ids[r : r + 1, total - n :], new_tokens=128, kernel="fused")
         assert torch.equal(seq_f[r, total:], alone[0, n:]), f"row {r}"
-        assert (log_f[:, r] - log_a[:, 0]).abs().max().item() <= 2e-5, f"row {r}"
+        drift.append((log_f[:, r] - log_a[:, 0]).abs().max().item())
+        _, log_sa, _ = generate(model, "full", ids[r : r + 1, total - n :], new_tokens=128, kernel="eager")
+        sdpa_drift.append((log_s[:, r] - log_sa[:, 0]).abs().max().item())
+    assert max(drift) <= max(2e-5, 2 * max(sdpa_drift)), (drift, sdpa_drift)
 
 
 @pytest.mark.parametrize("params, match", [

@@ -62,14 +62,15 @@ inline float dot(const float* a, const float* b, int64_t D) {
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v4 __attribute__((vector_size(16)));
+// Loads and stores through an unaligned, may_alias vector type rather than memcpy: GCC expands a 64-byte memcpy
+// by the tuning's -mmove-max, which is 256 bits for Ice Lake / Rocket Lake cores (-march=native on some Xeon VMs
+// reports Rocket Lake); every ld16/st16 then bounced through the stack as two ymm halves and the kernel ran ~10x
+// slower than with -mtune=generic (measured, benchmarks/results/cpu_xeon_amx_2026-12-02/).
+typedef float v16u __attribute__((vector_size(64), aligned(4), may_alias));
 
-inline v16 ld16(const float* p) {
-  v16 x;
-  std::memcpy(&x, p, sizeof x);
-  return x;
-}
+inline v16 ld16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 
-inline void st16(float* p, v16 x) { std::memcpy(p, &x, sizeof x); }
+inline void st16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 
 // the four sums of four 16-lane accumulators, in one shuffle tree (cheaper than four horizontal sums)
 inline v4 hsum4(v16 a, v16 b, v16 c, v16 d) {
