@@ -72,6 +72,51 @@ inline v16 ld16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 
 inline void st16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 
+typedef float v4u __attribute__((vector_size(16), aligned(4), may_alias));
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+// 16 consecutive values of a K/V row as float32 (bfloat16 widened exactly: its bits are a float's top half)
+inline v16 row16(const float* p) { return ld16(p); }
+inline v16 row16(const c10::BFloat16* p) {
+  return (v16)(__builtin_convertvector(*reinterpret_cast<const u16x16*>(p), u32x16) << 16);
+}
+
+// Pass 3 for one tile of keys [j0, j1) and G <= 8 query heads (G a constant, so their accumulators stay in
+// registers): o[gi] += e[gi, j] * v[j], chunk by chunk of 16, each V chunk loaded once for all G heads. Keys in
+// order, one fused multiply-add each: the same sums as key-by-key. Masked keys are skipped, never read.
+template <int G, typename T>
+void values_tile(const float* e, int64_t ld, const T* vb, int64_t vs, const float* bias, int64_t j0, int64_t j1,
+                 int64_t D, float* o) {
+  for (int64_t c = 0; c < D; c += 16) {
+    v16 acc[G];
+    for (int gi = 0; gi < G; ++gi) acc[gi] = ld16(o + gi * D + c);
+    for (int64_t j = j0; j < j1; ++j) {
+      if (bias[j] == kNegInf) continue;
+      const v16 w = row16(vb + j * vs + c);
+      for (int gi = 0; gi < G; ++gi) acc[gi] += e[gi * ld + j] * w;
+    }
+    for (int gi = 0; gi < G; ++gi) st16(o + gi * D + c, acc[gi]);
+  }
+}
+
+template <typename T>
+void values_tile_any(int G, const float* e, int64_t ld, const T* vb, int64_t vs, const float* bias, int64_t j0,
+                     int64_t j1, int64_t D, float* o) {
+  switch (G) {
+    case 1: return values_tile<1>(e, ld, vb, vs, bias, j0, j1, D, o);
+    case 2: return values_tile<2>(e, ld, vb, vs, bias, j0, j1, D, o);
+    case 3: return values_tile<3>(e, ld, vb, vs, bias, j0, j1, D, o);
+    case 4: return values_tile<4>(e, ld, vb, vs, bias, j0, j1, D, o);
+    case 5: return values_tile<5>(e, ld, vb, vs, bias, j0, j1, D, o);
+    case 6: return values_tile<6>(e, ld, vb, vs, bias, j0, j1, D, o);
+    case 7: return values_tile<7>(e, ld, vb, vs, bias, j0, j1, D, o);
+    default: return values_tile<8>(e, ld, vb, vs, bias, j0, j1, D, o);
+  }
+}
+
+constexpr int64_t kValueTile = 64;  // keys per tile: 64 V rows stay in L1 while each 16-wide chunk is summed
+
 // the four sums of four 16-lane accumulators, in one shuffle tree (cheaper than four horizontal sums)
 inline v4 hsum4(v16 a, v16 b, v16 c, v16 d) {
   const v8 a8 = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -185,12 +230,18 @@ inline void add_one_value(const float* e, int64_t ld, const float* vr, int64_t g
 
 // q and out (B, H, g, D) contiguous, float32 or bfloat16 (QO): the query is widened and the output rounded here,
 // per head, rather than by two tensor conversions per layer around the call.
+// Rows [begin, end) of the (b, h) pairs. A function of its own, every size passed by value and each Region
+// copied into a local: the vector stores below may alias anything, and a size read through the lambda's
+// captured references (or a Region in memory) would be reloaded after each of them.
 template <typename T, typename QO>
-void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t g,
-         int64_t D, int64_t Ctot, float scaling, bool want_scores) {
-  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const std::vector<Region>& regs,
+              int64_t H, int64_t g, int64_t D, int64_t Ctot, float scaling, bool want_scores) {
+  {
     thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf, qf_buf;
     thread_local std::vector<uint16_t> qb_buf;
+    thread_local std::vector<v4> m4_buf;
+    m4_buf.resize(static_cast<size_t>(g));
+    v4* m4 = m4_buf.data();
     s_buf.resize(static_cast<size_t>(g * Ctot));
     qb_buf.resize(static_cast<size_t>(g * D));
     tmp_buf.resize(static_cast<size_t>(4 * D));
@@ -208,6 +259,7 @@ void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_
       const int64_t b = t / H, h = t % H;
       const float* qh = as_float<QO>(q + t * g * D, qf_buf.data(), g * D);  // q is (B, H, g, D) contiguous
       for (int64_t gi = 0; gi < g; ++gi) m[gi] = kNegInf;
+      for (int64_t gi = 0; gi < g; ++gi) m4[gi] = v4{kNegInf, kNegInf, kNegInf, kNegInf};  // the blocks' maxima
       bool bf16_dots = false;
 #ifdef KVTIER_DPBF16
       if (std::is_same<T, c10::BFloat16>::value && D % 32 == 0) bf16_dots = q_as_bf16(qh, qb, g * D);
@@ -215,7 +267,7 @@ void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_
       // pass 1: logits, running max. Blocks of 4 keys share each query load (D a multiple of 16); a masked
       // column's logit is computed from whatever its slot holds and then replaced by -inf.
       int64_t off = 0;
-      for (const Region& r : regs) {
+      for (const Region r : regs) {
         const T* kb = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
         const float* bias = r.bias + b * r.bs0;
         int64_t j = 0;
@@ -256,12 +308,10 @@ void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_
                 }
                 dots = hsum4(a, c1, c2, c3);
               }
-              for (int u = 0; u < 4; ++u) {
-                const float bj = bias[j + u];
-                const float x = bj == kNegInf ? kNegInf : dots[u] * scaling + bj;
-                s[gi * Ctot + off + j + u] = x;
-                m[gi] = x > m[gi] ? x : m[gi];
-              }
+              const v4 b4 = *reinterpret_cast<const v4u*>(bias + j);
+              const v4 x = b4 == kNegInf ? b4 : dots * scaling + b4;  // a masked slot's dot may be NaN
+              *reinterpret_cast<v4u*>(s + gi * Ctot + off + j) = x;
+              m4[gi] = x > m4[gi] ? x : m4[gi];
             }
           }
         }
@@ -275,6 +325,8 @@ void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_
         }
         off += r.C;
       }
+      for (int64_t gi = 0; gi < g; ++gi)
+        for (int u = 0; u < 4; ++u) m[gi] = m4[gi][u] > m[gi] ? m4[gi][u] : m[gi];
       // pass 2: exp(s - m) in place, sums (a row without any key gets weights 0 and output 0, never NaN)
       for (int64_t gi = 0; gi < g; ++gi) {
         float* sg = s + gi * Ctot;
@@ -282,40 +334,25 @@ void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_
         for (int64_t j = 0; j < Ctot; ++j) sg[j] = exp_nonpos(sg[j] - mg);  // no reduction here: vectorises
         l[gi] = sum(sg, Ctot);
       }
-      // pass 3: values. Blocks of 4 kept keys update each output chunk once; a block with a masked column goes
-      // key by key and never reads the masked one (its slot may hold anything).
+      // pass 3: values, tile by tile of keys and 8 query heads at a time (values_tile); with D not a multiple
+      // of 16, key by key. Masked keys are never read (their slots may hold anything).
       std::fill(o, o + g * D, 0.f);
       off = 0;
-      for (const Region& r : regs) {
+      for (const Region r : regs) {
         const T* vb = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
         const float* bias = r.bias + b * r.bs0;
-        int64_t j = 0;
         if (D % 16 == 0) {
-          for (; j + 4 <= r.C; j += 4) {
-            if (bias[j] == kNegInf || bias[j + 1] == kNegInf || bias[j + 2] == kNegInf || bias[j + 3] == kNegInf) {
-              for (int u = 0; u < 4; ++u) {
-                if (bias[j + u] == kNegInf) continue;
-                add_one_value(s + off + j + u, Ctot, as_float<T>(vb + (j + u) * r.vs2, tmp, D), g, D, o);
-              }
-              continue;
-            }
-            const float* w0 = as_float<T>(vb + j * r.vs2, tmp, D);
-            const float* w1 = as_float<T>(vb + (j + 1) * r.vs2, tmp + D, D);
-            const float* w2 = as_float<T>(vb + (j + 2) * r.vs2, tmp + 2 * D, D);
-            const float* w3 = as_float<T>(vb + (j + 3) * r.vs2, tmp + 3 * D, D);
-            for (int64_t gi = 0; gi < g; ++gi) {
-              const float* eg = s + gi * Ctot + off + j;
-              const float e0 = eg[0], e1 = eg[1], e2 = eg[2], e3 = eg[3];
-              float* og = o + gi * D;
-              for (int64_t t4 = 0; t4 < D; t4 += 16)
-                st16(og + t4, ld16(og + t4) + e0 * ld16(w0 + t4) + e1 * ld16(w1 + t4) + e2 * ld16(w2 + t4) +
-                                  e3 * ld16(w3 + t4));
-            }
+          for (int64_t j0 = 0; j0 < r.C; j0 += kValueTile) {
+            const int64_t j1 = j0 + kValueTile < r.C ? j0 + kValueTile : r.C;
+            for (int64_t g0 = 0; g0 < g; g0 += 8)
+              values_tile_any<T>(static_cast<int>(g - g0 < 8 ? g - g0 : 8), s + g0 * Ctot + off, Ctot, vb, r.vs2,
+                                 bias, j0, j1, D, o + g0 * D);
           }
-        }
-        for (; j < r.C; ++j) {
-          if (bias[j] == kNegInf) continue;
-          add_one_value(s + off + j, Ctot, as_float<T>(vb + j * r.vs2, tmp, D), g, D, o);
+        } else {
+          for (int64_t j = 0; j < r.C; ++j) {
+            if (bias[j] == kNegInf) continue;
+            add_one_value(s + off + j, Ctot, as_float<T>(vb + j * r.vs2, tmp, D), g, D, o);
+          }
         }
         off += r.C;
       }
@@ -335,6 +372,14 @@ void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_
         }
       }
     }
+  }
+}
+
+template <typename T, typename QO>
+void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t g,
+         int64_t D, int64_t Ctot, float scaling, bool want_scores) {
+  at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+    run_rows<T, QO>(begin, end, q, out, w, regs, H, g, D, Ctot, scaling, want_scores);
   });
 }
 
