@@ -130,6 +130,35 @@ inline v4 hsum4(v16 a, v16 b, v16 c, v16 d) {
   return __builtin_shufflevector(r, r, 0, 2, 1, 3);
 }
 
+#ifdef __AVX512F__
+// 16 keys' logits at a time where there are 32 vector registers: the 16 accumulators' sums by a transpose
+// tree (30 two-source shuffles and 15 adds for 16 dots; hsum4 costs ~5 operations a dot). Each step adds the
+// two halves of every key's partial sums, keeping keys in order.
+#define KVTIER_KEYS16 1
+inline v16 halve8(v16 a, v16 b) {  // keys a, b (16 partials each) -> [a(8) b(8)]
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+         __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+}
+inline v16 halve4(v16 a, v16 b) {  // [k0(8) k1(8)], [k2(8) k3(8)] -> [k0(4) k1(4) k2(4) k3(4)]
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+}
+inline v16 halve2(v16 a, v16 b) {  // 4 keys x 4 partials twice -> 8 keys x 2
+  return __builtin_shufflevector(a, b, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+         __builtin_shufflevector(a, b, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+}
+inline v16 halve1(v16 a, v16 b) {  // 8 keys x 2 partials twice -> the 16 sums
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(a, b, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+inline v16 hsum16(const v16* a) {
+  v16 p[8], q[4];
+  for (int i = 0; i < 8; ++i) p[i] = halve8(a[2 * i], a[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) q[i] = halve4(p[2 * i], p[2 * i + 1]);
+  return halve1(halve2(q[0], q[1]), halve2(q[2], q[3]));
+}
+#endif
+
 inline float sum(const float* a, int64_t n) {
   float acc[16] = {0.f};
   int64_t j = 0;
@@ -242,6 +271,9 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
     thread_local std::vector<v4> m4_buf;
     m4_buf.resize(static_cast<size_t>(g));
     v4* m4 = m4_buf.data();
+    thread_local std::vector<v16> m16_buf;
+    m16_buf.resize(static_cast<size_t>(g));
+    v16* m16 = m16_buf.data();
     s_buf.resize(static_cast<size_t>(g * Ctot));
     qb_buf.resize(static_cast<size_t>(g * D));
     tmp_buf.resize(static_cast<size_t>(4 * D));
@@ -260,6 +292,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       const float* qh = as_float<QO>(q + t * g * D, qf_buf.data(), g * D);  // q is (B, H, g, D) contiguous
       for (int64_t gi = 0; gi < g; ++gi) m[gi] = kNegInf;
       for (int64_t gi = 0; gi < g; ++gi) m4[gi] = v4{kNegInf, kNegInf, kNegInf, kNegInf};  // the blocks' maxima
+      for (int64_t gi = 0; gi < g; ++gi) m16[gi] = v16{} + kNegInf;
       bool bf16_dots = false;
 #ifdef KVTIER_DPBF16
       if (std::is_same<T, c10::BFloat16>::value && D % 32 == 0) bf16_dots = q_as_bf16(qh, qb, g * D);
@@ -271,6 +304,50 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
         const T* kb = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
         const float* bias = r.bias + b * r.bs0;
         int64_t j = 0;
+#ifdef KVTIER_KEYS16
+        // blocks of 16 keys (float32 K, or bf16 K with bf16 dots): one query load serves 16 keys, one hsum16
+        // gives 16 logits. A float32 query over bf16 K goes by 4 (its K rows are widened into tmp).
+        if (D % 16 == 0 && (std::is_same<T, float>::value || bf16_dots)) {
+          for (; j + 16 <= r.C; j += 16) {
+            bool any = false;
+            for (int u = 0; u < 16; ++u) any |= bias[j + u] != kNegInf;
+            if (!any) {
+              for (int64_t gi = 0; gi < g; ++gi)
+                for (int u = 0; u < 16; ++u) s[gi * Ctot + off + j + u] = kNegInf;
+              continue;
+            }
+            const T* kj = kb + j * r.ks2;
+            for (int64_t gi = 0; gi < g; ++gi) {
+              v16 acc[16] = {};
+#ifdef KVTIER_DPBF16
+              if (bf16_dots) {
+                const uint16_t* qg = qb + gi * D;
+                const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kj);
+                for (int64_t t2 = 0; t2 < D; t2 += 32) {
+                  const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + t2);
+                  for (int u = 0; u < 16; ++u)
+                    acc[u] = (v16)_mm512_dpbf16_ps((__m512)acc[u], qv,
+                                                   (__m512bh)_mm512_loadu_si512(k16 + u * r.ks2 + t2));
+                }
+              } else
+#endif
+              {
+                const float* qg = qh + gi * D;
+                const float* kf = reinterpret_cast<const float*>(kj);
+                for (int64_t t4 = 0; t4 < D; t4 += 16) {
+                  const v16 qv = ld16(qg + t4);
+                  for (int u = 0; u < 16; ++u) acc[u] += qv * ld16(kf + u * r.ks2 + t4);
+                }
+              }
+              const v16 dots = hsum16(acc);
+              const v16 b16 = ld16(bias + j);
+              const v16 x = b16 == kNegInf ? b16 : dots * scaling + b16;  // a masked slot's dot may be NaN
+              st16(s + gi * Ctot + off + j, x);
+              m16[gi] = x > m16[gi] ? x : m16[gi];
+            }
+          }
+        }
+#endif
         if (D % 16 == 0) {
           for (; j + 4 <= r.C; j += 4) {
             if (bias[j] == kNegInf && bias[j + 1] == kNegInf && bias[j + 2] == kNegInf && bias[j + 3] == kNegInf) {
@@ -325,8 +402,10 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
         }
         off += r.C;
       }
-      for (int64_t gi = 0; gi < g; ++gi)
+      for (int64_t gi = 0; gi < g; ++gi) {
         for (int u = 0; u < 4; ++u) m[gi] = m4[gi][u] > m[gi] ? m4[gi][u] : m[gi];
+        for (int u = 0; u < 16; ++u) m[gi] = m16[gi][u] > m[gi] ? m16[gi][u] : m[gi];
+      }
       // pass 2: exp(s - m) in place, sums (a row without any key gets weights 0 and output 0, never NaN)
       for (int64_t gi = 0; gi < g; ++gi) {
         float* sg = s + gi * Ctot;

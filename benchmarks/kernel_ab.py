@@ -1,0 +1,83 @@
+"""The fused CPU kernel at a git revision vs the working tree's, side by side in one process (A/B of a kernel change).
+
+    python benchmarks/kernel_ab.py --base HEAD [--reps 150] [--threads 0]
+
+Both sources are built with the flags kvtier uses (``kvtier.fused_cpu._FLAGS``) into a temporary directory, then
+timed interleaved (each repetition runs SDPA, base, working tree once) over one layer of Qwen2.5-0.5B's shapes
+(2 kv-heads x 7 query heads, head dim 64), two regions (30% / 70% of the context, as ``tiered`` hbm 0.3 lays
+them out), with the score update. Prints per-call medians, each vs SDPA over the same keys, new/base, and the
+largest difference between the two outputs (0 when a change keeps the same floats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.cpp_extension import load
+
+from kvtier import fused_cpu
+
+SHAPES = [(1, 2048, torch.float32), (1, 2048, torch.bfloat16), (4, 8192, torch.float32), (4, 8192, torch.bfloat16)]
+
+
+def build(tag: str, src: Path, root: Path):
+    out = root / tag
+    out.mkdir(parents=True, exist_ok=True)
+    return load(name=f"kvtier_kernel_ab_{tag}", sources=[str(src)], extra_cflags=fused_cpu._FLAGS,
+                extra_ldflags=["-fopenmp"], build_directory=str(out), verbose=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="HEAD", help="git revision of the base kernel source")
+    ap.add_argument("--reps", type=int, default=150)
+    ap.add_argument("--threads", type=int, default=0, help="0: torch's default")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rel = fused_cpu._SRC.relative_to(Path(__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base_src = root / "base.cpp"
+        base_src.write_bytes(subprocess.run(["git", "show", f"{args.base}:{rel}"], check=True,
+                                            capture_output=True).stdout)
+        mods = {"base": build("base", base_src, root), "new": build("new", fused_cpu._SRC, root)}
+        print(f"base {args.base} vs working tree, flags {' '.join(fused_cpu._FLAGS)}, threads {torch.get_num_threads()}")
+        for B, T, dt in SHAPES:
+            H, g, D = 2, 7, 64
+            torch.manual_seed(0)
+            k, v = (torch.randn(B, H, T, D, dtype=dt) for _ in range(2))
+            q = torch.randn(B, H, g, D, dtype=dt)
+            c0 = int(0.3 * T)
+            ks = [k[:, :, :c0].contiguous(), k[:, :, c0:].contiguous()]
+            vs = [v[:, :, :c0].contiguous(), v[:, :, c0:].contiguous()]
+            biases = [torch.zeros(B, 1, 1, r.shape[2]) for r in ks]
+            poss = [torch.arange(c0).expand(B, -1).contiguous(), torch.arange(c0, T).expand(B, -1).contiguous()]
+            acc = torch.zeros(B, T + 1, dtype=torch.float64)
+            times: dict[str, list[float]] = {"sdpa": [], "base": [], "new": []}
+            outs = {}
+            for _ in range(args.reps):
+                t0 = time.perf_counter()
+                F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5)
+                times["sdpa"].append(time.perf_counter() - t0)
+                for name, mod in mods.items():
+                    t0 = time.perf_counter()
+                    outs[name] = mod.fused_decode(q, ks, vs, biases, poss, [acc, acc], 1e-3, D ** -0.5)
+                    times[name].append(time.perf_counter() - t0)
+            md = {n: statistics.median(x) * 1e3 for n, x in times.items()}
+            diff = (outs["base"].float() - outs["new"].float()).abs().max().item()
+            print(f"B={B} T={T} {str(dt).removeprefix('torch.'):9s} sdpa {md['sdpa']:.3f} ms  "
+                  f"base {md['base']:.3f} ({md['base'] / md['sdpa']:.2f}x)  new {md['new']:.3f} "
+                  f"({md['new'] / md['sdpa']:.2f}x)  new/base {md['new'] / md['base']:.2f}  max|diff| {diff:.1e}",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
