@@ -3,10 +3,11 @@
     python benchmarks/kernel_ab.py --base HEAD [--reps 150] [--threads 0]
 
 Both sources are built with the flags kvtier uses (``kvtier.fused_cpu._FLAGS``) into a temporary directory, then
-timed interleaved (each repetition runs SDPA, base, working tree once) over one layer of Qwen2.5-0.5B's shapes
+timed interleaved (each repetition runs SDPA, then base and working tree in alternating order) over one layer of Qwen2.5-0.5B's shapes
 (2 kv-heads x 7 query heads, head dim 64), two regions (30% / 70% of the context, as ``tiered`` hbm 0.3 lays
 them out), with the score update. Prints per-call medians, each vs SDPA over the same keys, new/base, and the
-largest difference between the two outputs (0 when a change keeps the same floats).
+largest difference between the two outputs (0 when a change keeps the same floats). ``--base HEAD`` with no
+change is the control: its new/base is the noise.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.cpp_extension import load
 
+from kernel_micro import layer_inputs  # this folder is on sys.path when run as a script
 from kvtier import fused_cpu
 
 SHAPES = [(1, 2048, torch.float32), (1, 2048, torch.bfloat16), (4, 8192, torch.float32), (4, 8192, torch.bfloat16)]
@@ -52,22 +54,16 @@ def main() -> None:
         print(f"base {args.base} vs working tree, flags {' '.join(fused_cpu._FLAGS)}, threads {torch.get_num_threads()}")
         for B, T, dt in SHAPES:
             H, g, D = 2, 7, 64
-            torch.manual_seed(0)
-            k, v = (torch.randn(B, H, T, D, dtype=dt) for _ in range(2))
-            q = torch.randn(B, H, g, D, dtype=dt)
-            c0 = int(0.3 * T)
-            ks = [k[:, :, :c0].contiguous(), k[:, :, c0:].contiguous()]
-            vs = [v[:, :, :c0].contiguous(), v[:, :, c0:].contiguous()]
-            biases = [torch.zeros(B, 1, 1, r.shape[2]) for r in ks]
-            poss = [torch.arange(c0).expand(B, -1).contiguous(), torch.arange(c0, T).expand(B, -1).contiguous()]
-            acc = torch.zeros(B, T + 1, dtype=torch.float64)
+            q, k, v, (ks, vs, biases, poss), acc = layer_inputs(B, H, g, D, T, dt)
             times: dict[str, list[float]] = {"sdpa": [], "base": [], "new": []}
             outs = {}
-            for _ in range(args.reps):
+            for rep in range(args.reps):
                 t0 = time.perf_counter()
                 F.scaled_dot_product_attention(q, k, v, scale=D ** -0.5)
                 times["sdpa"].append(time.perf_counter() - t0)
-                for name, mod in mods.items():
+                # the second of two kernels over the same inputs finds them in cache (measured: identical sources
+                # read 0.85x at 1 x 2048): the order alternates, so neither side gets that every time
+                for name, mod in (list(mods.items()) if rep % 2 == 0 else list(mods.items())[::-1]):
                     t0 = time.perf_counter()
                     outs[name] = mod.fused_decode(q, ks, vs, biases, poss, [acc, acc], 1e-3, D ** -0.5)
                     times[name].append(time.perf_counter() - t0)

@@ -20,6 +20,23 @@ import torch.nn.functional as F
 from kvtier import fused_cpu
 
 
+def layer_inputs(B: int, H: int, g: int, D: int, T: int, dt: torch.dtype):
+    """One layer's decode inputs: q (B, H, g, D), the whole K/V (B, H, T, D) for SDPA, the kernel's two regions
+    (T0: the first 30% of the context, T1: the rest; K, V, biases (B, 1, 1, C), positions (B, C)) and a float64
+    score accumulator (B, T + 1). Seeded, so every script times the same numbers."""
+    torch.manual_seed(0)
+    k = torch.randn(B, H, T, D, dtype=dt)
+    v = torch.randn(B, H, T, D, dtype=dt)
+    q = torch.randn(B, H, g, D, dtype=dt)
+    c0 = int(0.3 * T)
+    regions_k = [k[:, :, :c0].contiguous(), k[:, :, c0:].contiguous()]
+    regions_v = [v[:, :, :c0].contiguous(), v[:, :, c0:].contiguous()]
+    biases = [torch.zeros(B, 1, 1, r.shape[2]) for r in regions_k]
+    poss = [torch.arange(c0).expand(B, -1).contiguous(), torch.arange(c0, T).expand(B, -1).contiguous()]
+    acc = torch.zeros(B, T + 1, dtype=torch.float64)
+    return q, k, v, (regions_k, regions_v, biases, poss), acc
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--batch", type=int, default=4)
@@ -35,16 +52,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dt = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     B, H, g, D, T = args.batch, args.kv_heads, args.group, args.head_dim, args.context
-    torch.manual_seed(0)
-    k = torch.randn(B, H, T, D, dtype=dt)
-    v = torch.randn(B, H, T, D, dtype=dt)
-    q = torch.randn(B, H, g, D, dtype=dt)
-    c0 = int(0.3 * T)
-    regions_k = [k[:, :, :c0].contiguous(), k[:, :, c0:].contiguous()]
-    regions_v = [v[:, :, :c0].contiguous(), v[:, :, c0:].contiguous()]
-    biases = [torch.zeros(B, 1, 1, r.shape[2]) for r in regions_k]
-    poss = [torch.arange(c0).expand(B, -1).contiguous(), torch.arange(c0, T).expand(B, -1).contiguous()]
-    acc = torch.zeros(B, T + 1, dtype=torch.float64)
+    q, k, v, (regions_k, regions_v, biases, poss), acc = layer_inputs(B, H, g, D, T, dt)
     scale = D ** -0.5
 
     def sdpa():
