@@ -5,7 +5,7 @@
 Shapes are one layer of Qwen2.5-0.5B (2 kv-heads x 7 query heads, head dim 64). The kernel attends two regions
 (T0: 30% of the context, T1: the rest, as ``tiered`` hbm 0.3 lays them out), timed both with the score update
 (the merged weights added to a float64 accumulator, as every decode step does) and without it. Times are medians of interleaved repetitions
-(each repetition runs every variant once), so the ratios are side by side on one machine state.
+(each repetition runs every variant once, in rotated order), so the ratios are side by side on one machine state.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ def main() -> None:
         for _ in range(10):
             f()
     times = {name: [] for name in variants}
-    for _ in range(args.reps):
-        for name, f in variants.items():
+    order = list(variants.items())
+    for rep in range(args.reps):
+        # rotated each repetition: a variant run right after another over the same data finds it in cache
+        for name, f in order[rep % len(order):] + order[: rep % len(order)]:
             t0 = time.perf_counter()
             f()
             times[name].append(time.perf_counter() - t0)

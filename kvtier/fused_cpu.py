@@ -98,8 +98,8 @@ def bf16_dots() -> bool:
 def sdpa_is_faster(dtype: torch.dtype) -> bool:
     """Whether ``kernel="auto"`` leaves the ``full`` cache's step (one region, no scores) on torch's SDPA: bfloat16
     on CPUs with AMX tiles, where oneDNN multiplies on AMX. There the two are about even since the kernel's value
-    tiles and 16-key logits (an Intel Xeon with AMX-BF16, one layer without scores: 0.90-1.17x SDPA's time in
-    bfloat16, 1.17x at 1 x 512; 0.50-0.90x in float32), so the stock path is kept. Elsewhere the kernel is the
+    tiles and 16-key logits (an Intel Xeon with AMX-BF16, one layer without scores, 512-8192 tokens x batch 1
+    and 4: 0.96-1.06x SDPA's time in bfloat16; 0.72-0.93x in float32), so the stock path is kept. Elsewhere the kernel is the
     faster one (AMD EPYC with AVX512-BF16, 512-8192 tokens, batch 1 and 4: 0.69-0.84x in bfloat16, 0.52-0.90x in
     float32, before those two changes, not re-measured there); ``benchmarks/kernel_micro.py``, results in
     ``benchmarks/results/cpu_xeon_amx_2026-12-02/kernel_micro_final.txt``. A rule by ISA, not a timing at start,
