@@ -168,11 +168,12 @@ def test_full_on_the_kernel_equals_sdpa_and_ordered(model_name, request):
     ids, mask = padded_batch(lengths, total, seed=40)
     seq_f, log_f, c_f = generate(model, "full", ids, new_tokens=128, attention_mask=mask, kernel="fused")
     assert c_f.stats()["kernel"]["current"] == "fused"
-    for other in (dict(kernel="eager"), dict(attention="ordered")):
-        seq_o, log_o, _ = generate(model, "full", ids, new_tokens=128, attention_mask=mask, **other)
-        assert torch.equal(seq_f, seq_o), other
-        assert (log_f - log_o).abs().max().item() <= 2e-5, other
-    seq_s, log_s, _ = generate(model, "full", ids, new_tokens=128, attention_mask=mask, kernel="eager")
+    runs = {name: generate(model, "full", ids, new_tokens=128, attention_mask=mask, **kw)
+            for name, kw in (("sdpa", dict(kernel="eager")), ("ordered", dict(attention="ordered")))}
+    for name, (seq_o, log_o, _) in runs.items():
+        assert torch.equal(seq_f, seq_o), name
+        assert (log_f - log_o).abs().max().item() <= 2e-5, name
+    log_s = runs["sdpa"][1]  # SDPA's batch run: the yardstick for the row-vs-alone drift below
     drift, sdpa_drift = [], []
     for r, n in enumerate(lengths):
         alone, log_a, _ = generate(model, "full", ids[r : r + 1, total - n :], new_tokens=128, kernel="fused")
