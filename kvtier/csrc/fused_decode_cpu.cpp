@@ -73,6 +73,10 @@ inline v16 ld16(const float* p) { return *reinterpret_cast<const v16u*>(p); }
 inline void st16(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
 
 typedef float v4u __attribute__((vector_size(16), aligned(4), may_alias));
+
+inline v4 ld4(const float* p) { return *reinterpret_cast<const v4u*>(p); }
+
+inline void st4(float* p, v4 x) { *reinterpret_cast<v4u*>(p) = x; }
 typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2), may_alias));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
@@ -257,198 +261,196 @@ inline void add_one_value(const float* e, int64_t ld, const float* vr, int64_t g
   }
 }
 
-// q and out (B, H, g, D) contiguous, float32 or bfloat16 (QO): the query is widened and the output rounded here,
-// per head, rather than by two tensor conversions per layer around the call.
-// Rows [begin, end) of the (b, h) pairs. A function of its own, every size passed by value and each Region
-// copied into a local: the vector stores below may alias anything, and a size read through the lambda's
-// captured references (or a Region in memory) would be reloaded after each of them.
+// The (b, h) pairs [begin, end). q and out (B, H, g, D) contiguous, float32 or bfloat16 (QO): the query is widened
+// and the output rounded here, per head, rather than by two tensor conversions per layer around the call.
+// A function of its own, every size passed by value and each Region copied into a local: the vector stores below
+// may alias anything, and a size read through the lambda's captured references (or a Region in memory) would be
+// reloaded after each of them.
 template <typename T, typename QO>
 void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const std::vector<Region>& regs,
               int64_t H, int64_t g, int64_t D, int64_t Ctot, float scaling, bool want_scores) {
-  {
-    thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf, qf_buf;
-    thread_local std::vector<uint16_t> qb_buf;
-    thread_local std::vector<v4> m4_buf;
-    m4_buf.resize(static_cast<size_t>(g));
-    v4* m4 = m4_buf.data();
-    thread_local std::vector<v16> m16_buf;
-    m16_buf.resize(static_cast<size_t>(g));
-    v16* m16 = m16_buf.data();
-    s_buf.resize(static_cast<size_t>(g * Ctot));
-    qb_buf.resize(static_cast<size_t>(g * D));
-    tmp_buf.resize(static_cast<size_t>(4 * D));
-    o_buf.resize(static_cast<size_t>(g * D));
-    m_buf.resize(static_cast<size_t>(g));
-    l_buf.resize(static_cast<size_t>(g));
-    qf_buf.resize(static_cast<size_t>(g * D));
-    float* s = s_buf.data();
-    float* tmp = tmp_buf.data();
-    float* o = o_buf.data();
-    float* m = m_buf.data();
-    float* l = l_buf.data();
-    uint16_t* qb = qb_buf.data();
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t b = t / H, h = t % H;
-      const float* qh = as_float<QO>(q + t * g * D, qf_buf.data(), g * D);  // q is (B, H, g, D) contiguous
-      for (int64_t gi = 0; gi < g; ++gi) m[gi] = kNegInf;
-      for (int64_t gi = 0; gi < g; ++gi) m4[gi] = v4{kNegInf, kNegInf, kNegInf, kNegInf};  // the blocks' maxima
-      for (int64_t gi = 0; gi < g; ++gi) m16[gi] = v16{} + kNegInf;
-      bool bf16_dots = false;
+  thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf, qf_buf;
+  thread_local std::vector<uint16_t> qb_buf;
+  thread_local std::vector<v4> m4_buf;
+  m4_buf.resize(static_cast<size_t>(g));
+  v4* m4 = m4_buf.data();
+  thread_local std::vector<v16> m16_buf;
+  m16_buf.resize(static_cast<size_t>(g));
+  v16* m16 = m16_buf.data();
+  s_buf.resize(static_cast<size_t>(g * Ctot));
+  qb_buf.resize(static_cast<size_t>(g * D));
+  tmp_buf.resize(static_cast<size_t>(4 * D));
+  o_buf.resize(static_cast<size_t>(g * D));
+  m_buf.resize(static_cast<size_t>(g));
+  l_buf.resize(static_cast<size_t>(g));
+  qf_buf.resize(static_cast<size_t>(g * D));
+  float* s = s_buf.data();
+  float* tmp = tmp_buf.data();
+  float* o = o_buf.data();
+  float* m = m_buf.data();
+  float* l = l_buf.data();
+  uint16_t* qb = qb_buf.data();
+  for (int64_t t = begin; t < end; ++t) {
+    const int64_t b = t / H, h = t % H;
+    const float* qh = as_float<QO>(q + t * g * D, qf_buf.data(), g * D);  // q is (B, H, g, D) contiguous
+    for (int64_t gi = 0; gi < g; ++gi) m[gi] = kNegInf;
+    for (int64_t gi = 0; gi < g; ++gi) m4[gi] = v4{kNegInf, kNegInf, kNegInf, kNegInf};  // the blocks' maxima
+    for (int64_t gi = 0; gi < g; ++gi) m16[gi] = v16{} + kNegInf;
+    bool bf16_dots = false;
 #ifdef KVTIER_DPBF16
-      if (std::is_same<T, c10::BFloat16>::value && D % 32 == 0) bf16_dots = q_as_bf16(qh, qb, g * D);
+    if (std::is_same<T, c10::BFloat16>::value && D % 32 == 0) bf16_dots = q_as_bf16(qh, qb, g * D);
 #endif
-      // pass 1: logits, running max. Blocks of 4 keys share each query load (D a multiple of 16); a masked
-      // column's logit is computed from whatever its slot holds and then replaced by -inf.
-      int64_t off = 0;
-      for (const Region r : regs) {
-        const T* kb = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
-        const float* bias = r.bias + b * r.bs0;
-        int64_t j = 0;
+    // pass 1: logits, running max. Blocks of 4 keys share each query load (D a multiple of 16); a masked
+    // column's logit is computed from whatever its slot holds and then replaced by -inf.
+    int64_t off = 0;
+    for (const Region r : regs) {
+      const T* kb = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
+      const float* bias = r.bias + b * r.bs0;
+      int64_t j = 0;
 #ifdef KVTIER_KEYS16
-        // blocks of 16 keys (float32 K, or bf16 K with bf16 dots): one query load serves 16 keys, one hsum16
-        // gives 16 logits. A float32 query over bf16 K goes by 4 (its K rows are widened into tmp).
-        if (D % 16 == 0 && (std::is_same<T, float>::value || bf16_dots)) {
-          for (; j + 16 <= r.C; j += 16) {
-            bool any = false;
-            for (int u = 0; u < 16; ++u) any |= bias[j + u] != kNegInf;
-            if (!any) {
-              for (int64_t gi = 0; gi < g; ++gi)
-                for (int u = 0; u < 16; ++u) s[gi * Ctot + off + j + u] = kNegInf;
-              continue;
-            }
-            const T* kj = kb + j * r.ks2;
-            for (int64_t gi = 0; gi < g; ++gi) {
-              v16 acc[16] = {};
-#ifdef KVTIER_DPBF16
-              if (bf16_dots) {
-                const uint16_t* qg = qb + gi * D;
-                const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kj);
-                for (int64_t t2 = 0; t2 < D; t2 += 32) {
-                  const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + t2);
-                  for (int u = 0; u < 16; ++u)
-                    acc[u] = (v16)_mm512_dpbf16_ps((__m512)acc[u], qv,
-                                                   (__m512bh)_mm512_loadu_si512(k16 + u * r.ks2 + t2));
-                }
-              } else
-#endif
-              {
-                const float* qg = qh + gi * D;
-                const float* kf = reinterpret_cast<const float*>(kj);
-                for (int64_t t4 = 0; t4 < D; t4 += 16) {
-                  const v16 qv = ld16(qg + t4);
-                  for (int u = 0; u < 16; ++u) acc[u] += qv * ld16(kf + u * r.ks2 + t4);
-                }
-              }
-              const v16 dots = hsum16(acc);
-              const v16 b16 = ld16(bias + j);
-              const v16 x = b16 == kNegInf ? b16 : dots * scaling + b16;  // a masked slot's dot may be NaN
-              st16(s + gi * Ctot + off + j, x);
-              m16[gi] = x > m16[gi] ? x : m16[gi];
-            }
-          }
-        }
-#endif
-        if (D % 16 == 0) {
-          for (; j + 4 <= r.C; j += 4) {
-            if (bias[j] == kNegInf && bias[j + 1] == kNegInf && bias[j + 2] == kNegInf && bias[j + 3] == kNegInf) {
-              for (int64_t gi = 0; gi < g; ++gi)
-                for (int u = 0; u < 4; ++u) s[gi * Ctot + off + j + u] = kNegInf;
-              continue;
-            }
-            const float* k0 = nullptr;
-            const float* k1 = nullptr;
-            const float* k2 = nullptr;
-            const float* k3 = nullptr;
-            if (!bf16_dots) {
-              k0 = as_float<T>(kb + j * r.ks2, tmp, D);
-              k1 = as_float<T>(kb + (j + 1) * r.ks2, tmp + D, D);
-              k2 = as_float<T>(kb + (j + 2) * r.ks2, tmp + 2 * D, D);
-              k3 = as_float<T>(kb + (j + 3) * r.ks2, tmp + 3 * D, D);
-            }
-            for (int64_t gi = 0; gi < g; ++gi) {
-              v4 dots;
-#ifdef KVTIER_DPBF16
-              if (bf16_dots) {
-                const uint16_t* kj = reinterpret_cast<const uint16_t*>(kb + j * r.ks2);
-                dots = dots4_bf16(qb + gi * D, kj, kj + r.ks2, kj + 2 * r.ks2, kj + 3 * r.ks2, D);
-              } else
-#endif
-              {
-                const float* qg = qh + gi * D;
-                v16 a = {}, c1 = {}, c2 = {}, c3 = {};
-                for (int64_t t4 = 0; t4 < D; t4 += 16) {
-                  const v16 qv = ld16(qg + t4);
-                  a += qv * ld16(k0 + t4);
-                  c1 += qv * ld16(k1 + t4);
-                  c2 += qv * ld16(k2 + t4);
-                  c3 += qv * ld16(k3 + t4);
-                }
-                dots = hsum4(a, c1, c2, c3);
-              }
-              const v4 b4 = *reinterpret_cast<const v4u*>(bias + j);
-              const v4 x = b4 == kNegInf ? b4 : dots * scaling + b4;  // a masked slot's dot may be NaN
-              *reinterpret_cast<v4u*>(s + gi * Ctot + off + j) = x;
-              m4[gi] = x > m4[gi] ? x : m4[gi];
-            }
-          }
-        }
-        for (; j < r.C; ++j) {
-          const float bj = bias[j];
-          if (bj == kNegInf) {
-            for (int64_t gi = 0; gi < g; ++gi) s[gi * Ctot + off + j] = kNegInf;
+      // blocks of 16 keys (float32 K, or bf16 K with bf16 dots): one query load serves 16 keys, one hsum16
+      // gives 16 logits. A float32 query over bf16 K goes by 4 (its K rows are widened into tmp).
+      if (D % 16 == 0 && (std::is_same<T, float>::value || bf16_dots)) {
+        for (; j + 16 <= r.C; j += 16) {
+          bool any = false;
+          for (int u = 0; u < 16; ++u) any |= bias[j + u] != kNegInf;
+          if (!any) {
+            for (int64_t gi = 0; gi < g; ++gi)
+              for (int u = 0; u < 16; ++u) s[gi * Ctot + off + j + u] = kNegInf;
             continue;
           }
-          logits_one_key(qh, as_float<T>(kb + j * r.ks2, tmp, D), bj, scaling, g, D, s + off + j, Ctot, m);
-        }
-        off += r.C;
-      }
-      for (int64_t gi = 0; gi < g; ++gi) {
-        for (int u = 0; u < 4; ++u) m[gi] = m4[gi][u] > m[gi] ? m4[gi][u] : m[gi];
-        for (int u = 0; u < 16; ++u) m[gi] = m16[gi][u] > m[gi] ? m16[gi][u] : m[gi];
-      }
-      // pass 2: exp(s - m) in place, sums (a row without any key gets weights 0 and output 0, never NaN)
-      for (int64_t gi = 0; gi < g; ++gi) {
-        float* sg = s + gi * Ctot;
-        const float mg = m[gi] == kNegInf ? 0.f : m[gi];
-        for (int64_t j = 0; j < Ctot; ++j) sg[j] = exp_nonpos(sg[j] - mg);  // no reduction here: vectorises
-        l[gi] = sum(sg, Ctot);
-      }
-      // pass 3: values, tile by tile of keys and 8 query heads at a time (values_tile); with D not a multiple
-      // of 16, key by key. Masked keys are never read (their slots may hold anything).
-      std::fill(o, o + g * D, 0.f);
-      off = 0;
-      for (const Region r : regs) {
-        const T* vb = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
-        const float* bias = r.bias + b * r.bs0;
-        if (D % 16 == 0) {
-          for (int64_t j0 = 0; j0 < r.C; j0 += kValueTile) {
-            const int64_t j1 = j0 + kValueTile < r.C ? j0 + kValueTile : r.C;
-            for (int64_t g0 = 0; g0 < g; g0 += 8)
-              values_tile_any<T>(static_cast<int>(g - g0 < 8 ? g - g0 : 8), s + g0 * Ctot + off, Ctot, vb, r.vs2,
-                                 bias, j0, j1, D, o + g0 * D);
-          }
-        } else {
-          for (int64_t j = 0; j < r.C; ++j) {
-            if (bias[j] == kNegInf) continue;
-            add_one_value(s + off + j, Ctot, as_float<T>(vb + j * r.vs2, tmp, D), g, D, o);
+          const T* kj = kb + j * r.ks2;
+          for (int64_t gi = 0; gi < g; ++gi) {
+            v16 acc[16] = {};
+#ifdef KVTIER_DPBF16
+            if (bf16_dots) {
+              const uint16_t* qg = qb + gi * D;
+              const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kj);
+              for (int64_t t2 = 0; t2 < D; t2 += 32) {
+                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + t2);
+                for (int u = 0; u < 16; ++u)
+                  acc[u] = (v16)_mm512_dpbf16_ps((__m512)acc[u], qv,
+                                                 (__m512bh)_mm512_loadu_si512(k16 + u * r.ks2 + t2));
+              }
+            } else
+#endif
+            {
+              const float* qg = qh + gi * D;
+              const float* kf = reinterpret_cast<const float*>(kj);
+              for (int64_t t4 = 0; t4 < D; t4 += 16) {
+                const v16 qv = ld16(qg + t4);
+                for (int u = 0; u < 16; ++u) acc[u] += qv * ld16(kf + u * r.ks2 + t4);
+              }
+            }
+            const v16 dots = hsum16(acc);
+            const v16 b16 = ld16(bias + j);
+            const v16 x = b16 == kNegInf ? b16 : dots * scaling + b16;  // a masked slot's dot may be NaN
+            st16(s + gi * Ctot + off + j, x);
+            m16[gi] = x > m16[gi] ? x : m16[gi];
           }
         }
-        off += r.C;
       }
-      QO* oh = out + t * g * D;
+#endif
+      if (D % 16 == 0) {
+        for (; j + 4 <= r.C; j += 4) {
+          if (bias[j] == kNegInf && bias[j + 1] == kNegInf && bias[j + 2] == kNegInf && bias[j + 3] == kNegInf) {
+            for (int64_t gi = 0; gi < g; ++gi)
+              for (int u = 0; u < 4; ++u) s[gi * Ctot + off + j + u] = kNegInf;
+            continue;
+          }
+          const float* k0 = nullptr;
+          const float* k1 = nullptr;
+          const float* k2 = nullptr;
+          const float* k3 = nullptr;
+          if (!bf16_dots) {
+            k0 = as_float<T>(kb + j * r.ks2, tmp, D);
+            k1 = as_float<T>(kb + (j + 1) * r.ks2, tmp + D, D);
+            k2 = as_float<T>(kb + (j + 2) * r.ks2, tmp + 2 * D, D);
+            k3 = as_float<T>(kb + (j + 3) * r.ks2, tmp + 3 * D, D);
+          }
+          for (int64_t gi = 0; gi < g; ++gi) {
+            v4 dots;
+#ifdef KVTIER_DPBF16
+            if (bf16_dots) {
+              const uint16_t* kj = reinterpret_cast<const uint16_t*>(kb + j * r.ks2);
+              dots = dots4_bf16(qb + gi * D, kj, kj + r.ks2, kj + 2 * r.ks2, kj + 3 * r.ks2, D);
+            } else
+#endif
+            {
+              const float* qg = qh + gi * D;
+              v16 a = {}, c1 = {}, c2 = {}, c3 = {};
+              for (int64_t t4 = 0; t4 < D; t4 += 16) {
+                const v16 qv = ld16(qg + t4);
+                a += qv * ld16(k0 + t4);
+                c1 += qv * ld16(k1 + t4);
+                c2 += qv * ld16(k2 + t4);
+                c3 += qv * ld16(k3 + t4);
+              }
+              dots = hsum4(a, c1, c2, c3);
+            }
+            const v4 b4 = ld4(bias + j);
+            const v4 x = b4 == kNegInf ? b4 : dots * scaling + b4;  // a masked slot's dot may be NaN
+            st4(s + gi * Ctot + off + j, x);
+            m4[gi] = x > m4[gi] ? x : m4[gi];
+          }
+        }
+      }
+      for (; j < r.C; ++j) {
+        const float bj = bias[j];
+        if (bj == kNegInf) {
+          for (int64_t gi = 0; gi < g; ++gi) s[gi * Ctot + off + j] = kNegInf;
+          continue;
+        }
+        logits_one_key(qh, as_float<T>(kb + j * r.ks2, tmp, D), bj, scaling, g, D, s + off + j, Ctot, m);
+      }
+      off += r.C;
+    }
+    for (int64_t gi = 0; gi < g; ++gi) {
+      for (int u = 0; u < 4; ++u) m[gi] = m4[gi][u] > m[gi] ? m4[gi][u] : m[gi];
+      for (int u = 0; u < 16; ++u) m[gi] = m16[gi][u] > m[gi] ? m16[gi][u] : m[gi];
+    }
+    // pass 2: exp(s - m) in place, sums (a row without any key gets weights 0 and output 0, never NaN)
+    for (int64_t gi = 0; gi < g; ++gi) {
+      float* sg = s + gi * Ctot;
+      const float mg = m[gi] == kNegInf ? 0.f : m[gi];
+      for (int64_t j = 0; j < Ctot; ++j) sg[j] = exp_nonpos(sg[j] - mg);  // no reduction here: vectorises
+      l[gi] = sum(sg, Ctot);
+    }
+    // pass 3: values, tile by tile of keys and 8 query heads at a time (values_tile); with D not a multiple
+    // of 16, key by key. Masked keys are never read (their slots may hold anything).
+    std::fill(o, o + g * D, 0.f);
+    off = 0;
+    for (const Region r : regs) {
+      const T* vb = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
+      const float* bias = r.bias + b * r.bs0;
+      if (D % 16 == 0) {
+        for (int64_t j0 = 0; j0 < r.C; j0 += kValueTile) {
+          const int64_t j1 = j0 + kValueTile < r.C ? j0 + kValueTile : r.C;
+          for (int64_t g0 = 0; g0 < g; g0 += 8)
+            values_tile_any<T>(static_cast<int>(g - g0 < 8 ? g - g0 : 8), s + g0 * Ctot + off, Ctot, vb, r.vs2,
+                               bias, j0, j1, D, o + g0 * D);
+        }
+      } else {
+        for (int64_t j = 0; j < r.C; ++j) {
+          if (bias[j] == kNegInf) continue;
+          add_one_value(s + off + j, Ctot, as_float<T>(vb + j * r.vs2, tmp, D), g, D, o);
+        }
+      }
+      off += r.C;
+    }
+    QO* oh = out + t * g * D;
+    for (int64_t gi = 0; gi < g; ++gi) {
+      const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
+      for (int64_t d = 0; d < D; ++d) oh[gi * D + d] = static_cast<QO>(o[gi * D + d] * inv);
+    }
+    if (want_scores) {
+      // merged weight of each key summed over the group's query heads: w[b, h, j] (B, H, Ctot)
+      float* wh = w + t * Ctot;
+      std::fill(wh, wh + Ctot, 0.f);
       for (int64_t gi = 0; gi < g; ++gi) {
         const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
-        for (int64_t d = 0; d < D; ++d) oh[gi * D + d] = static_cast<QO>(o[gi * D + d] * inv);
-      }
-      if (want_scores) {
-        // merged weight of each key summed over the group's query heads: w[b, h, j] (B, H, Ctot)
-        float* wh = w + t * Ctot;
-        std::fill(wh, wh + Ctot, 0.f);
-        for (int64_t gi = 0; gi < g; ++gi) {
-          const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
-          const float* sg = s + gi * Ctot;
-          for (int64_t j = 0; j < Ctot; ++j) wh[j] += sg[j] * inv;
-        }
+        const float* sg = s + gi * Ctot;
+        for (int64_t j = 0; j < Ctot; ++j) wh[j] += sg[j] * inv;
       }
     }
   }
