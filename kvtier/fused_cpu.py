@@ -66,16 +66,22 @@ def build_dir(name: str) -> Path:
 _STALE_LOCK_S = 600
 
 
+def build(name: str, src: Path, directory: Path):
+    """Compile ``src`` as the extension ``name`` into ``directory`` with kvtier's flags and load it (the one place
+    the build is spelled out: ``benchmarks/kernel_ab.py`` builds other revisions of the kernel through it)."""
+    from torch.utils.cpp_extension import load
+
+    return load(name=name, sources=[str(src)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+                build_directory=str(directory), verbose=False)
+
+
 @lru_cache(maxsize=1)
 def _module():
     if os.environ.get("KVTIER_KERNEL", "").strip().lower() == "eager":
         return None
     try:
-        from torch.utils.cpp_extension import load
-
         name = build_name()
-        return load(name=name, sources=[str(_SRC)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
-                    build_directory=str(build_dir(name)), verbose=False)
+        return build(name, _SRC, build_dir(name))
     except Exception as exc:  # a missing compiler or ninja: the eager path still works, only slower
         log.warning("kvtier: the fused CPU decode kernel could not be built (%s: %s); using the eager path "
                     "(it needs gcc and `pip install kvtier[kernels]`)",
