@@ -623,21 +623,21 @@ class TieredLayer(KVTierLayer):
         self.version = st.version
         st.note_device(self.layer_idx, self._device_bytes())
 
-    def _host_tensors(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
-        """This layer's host tiers, for ``rows`` (a leading-dimension slice: contiguous, so it copies as one block)."""
+    def _host_tensors(self, rows: slice = slice(None), tiers: tuple[int, ...] = (T1, T2)) -> dict[str, torch.Tensor]:
+        """This layer's host ``tiers``, for ``rows`` (a leading-dimension slice: contiguous, so it copies as one block)."""
         lay = self.state.layout
         out = {}
-        if lay.tiers[T1].width:
+        if T1 in tiers and lay.tiers[T1].width:
             out.update(k1=self.k1[rows], v1=self.v1[rows])
-        if lay.tiers[T2].width:
+        if T2 in tiers and lay.tiers[T2].width:
             out.update(k2=self.k2[rows], v2=self.v2[rows], k2s=self.k2s[rows], v2s=self.v2s[rows])
         return out
 
-    def _staged(self, rows: slice = slice(None)) -> dict[str, torch.Tensor]:
-        """Device copies of this layer's host tiers (``stream``) for ``rows``: from a prefetch, a per-layer
+    def _staged(self, rows: slice = slice(None), tiers: tuple[int, ...] = (T1, T2)) -> dict[str, torch.Tensor]:
+        """Device copies of this layer's host ``tiers`` (``stream``) for ``rows``: from a prefetch, a per-layer
         persistent copy (``t1_on_device``, staged once per reassignment) or copied now."""
         st, eng = self.state, self.state.engine
-        host = self._host_tensors(rows)
+        host = self._host_tensors(rows, tiers)
         if st.t1_on_device:
             return eng.take(self.layer_idx, (self.layer_idx, "v", st.version), host)
         return eng.take(0, (self.layer_idx, st.n_total), host)
@@ -779,22 +779,39 @@ class TieredLayer(KVTierLayer):
         st = self.state
         bias, dpos = st.device_view(self.cap0, self.tail_k.shape[2])
         ks, vs, biases, poss, scores = [self.dev_k], [self.dev_v], [bias], [dpos], [st.scores]
+        staged = [False]
+        on_host = st.host_attn
+        # streaming T1: the kernel stages it itself, block by block (see fused_cpu.attend); int8 T2 is staged
+        # whole and dequantised on the device as on the eager path
+        kernel_stages = T1 in host_tiers and not on_host and not st.t1_on_device
         if host_tiers:
-            on_host = st.host_attn
-            for r in self._host_regions(host_tiers, meta, on_host=on_host):
+            for x, r in zip(host_tiers, self._host_regions(host_tiers, meta, on_host, in_place=kernel_stages)):
                 k, v = r.kv(qg.dtype)
                 ks.append(k), vs.append(v), biases.append(r.bias), poss.append(r.pos)
                 scores.append(st.scores_host if on_host else st.scores)
+                staged.append(kernel_stages and x == T1)
             if on_host:
                 st.host.jobs += 1
-        out = fused_cpu.attend(qg, ks, vs, biases, poss, scores, inv, scaling)
-        if host_tiers and not st.host_attn:
+        out = fused_cpu.attend(qg, ks, vs, biases, poss, scores, inv, scaling, staged)
+        if kernel_stages:
+            t1 = self._host_tensors(tiers=(T1,))
+            st.engine.count_streamed(sum(t.numel() * t.element_size() for t in t1.values()),
+                                     fused_cpu.take_staging_seconds(), fused_cpu.staging_buffer_bytes())
+        if host_tiers and not on_host and (T2 in host_tiers or not kernel_stages):
             self._release()
         return out
 
-    def _host_regions(self, tiers: list[int], meta: dict, on_host: bool, rows: slice = slice(None)
-                      ) -> list[HostRegion]:
-        src = self._host_tensors(rows) if on_host else self._staged(rows)
+    def _host_regions(self, tiers: list[int], meta: dict, on_host: bool, rows: slice = slice(None),
+                      in_place: bool = False) -> list[HostRegion]:
+        """One region per tier in ``tiers``: host buffers (``on_host``) or their device copies, scored into the host
+        or the device accumulator accordingly. ``in_place``: streamed, but T1 is read from host memory by a
+        consumer that stages it itself (the fused CPU kernel); only T2 is copied here."""
+        if on_host:
+            src = self._host_tensors(rows)
+        elif in_place:
+            src = {**self._host_tensors(rows, (T1,)), **(self._staged(rows, (T2,)) if T2 in tiers else {})}
+        else:
+            src = self._staged(rows)
         out = []
         for x in tiers:
             pos, bias = meta[("host", x)] if on_host else meta[x]

@@ -118,8 +118,8 @@ def supports(dtype: torch.dtype) -> bool:
 
 
 def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], biases: list[torch.Tensor],
-           poss: list[torch.Tensor], scores: list[torch.Tensor] | None, score_scale: float, scaling: float
-           ) -> torch.Tensor:
+           poss: list[torch.Tensor], scores: list[torch.Tensor] | None, score_scale: float, scaling: float,
+           staged: list[bool] | None = None) -> torch.Tensor:
     """Softmax of ``qg`` over the union of the regions, and (optionally) the score update.
 
     Args:
@@ -131,6 +131,10 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
         poss: per region (B, C_r) int64 score positions.
         scores: per region the (B, N + 1) float64 accumulator its weights go to (regions may share one), or None.
         score_scale: factor on each weight (1 / (layers * query heads): the mean over layers and heads).
+        staged: per region, whether it is streamed (``t1_attention="stream"``): each (b, h) block of its K, then
+            of its V, is copied into a staging buffer of the worker thread and read from there, so the device-side
+            copy is one block per thread rather than the layer's whole tier (:func:`take_staging_seconds`,
+            :func:`staging_buffer_bytes`). Same floats as reading it in place.
     Returns:
         (B, H, g, D) in ``qg``'s dtype (float32 for other dtypes), the normalised attention output: float32
         statistics and sums, a bfloat16 output rounded once (as ``.to(torch.bfloat16)`` would).
@@ -141,7 +145,21 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
     if qg.dtype not in (torch.float32, torch.bfloat16):
         qg = qg.to(torch.float32)
     return mod.fused_decode(qg.contiguous(), ks, vs, biases, poss, scores or [],
-                            float(score_scale), float(scaling))
+                            float(score_scale), float(scaling), list(staged or []))
 
 
-__all__ = ["KERNEL_MODES", "attend", "available", "bf16_dots", "build_name", "sdpa_is_faster", "supports"]
+def take_staging_seconds() -> float:
+    """Seconds the kernel's workers spent copying staged blocks since the last call, divided by the threads that
+    share the work (the copies run side by side, one block per worker at a time): the streaming time."""
+    mod = _module()
+    return 0.0 if mod is None else mod.take_staging_ns() / 1e9 / max(1, torch.get_num_threads())
+
+
+def staging_buffer_bytes() -> int:
+    """Bytes held by the workers' staging buffers (each grows to the largest block it has staged)."""
+    mod = _module()
+    return 0 if mod is None else int(mod.staging_buffer_bytes())
+
+
+__all__ = ["KERNEL_MODES", "attend", "available", "bf16_dots", "build_name", "sdpa_is_faster", "staging_buffer_bytes",
+           "supports", "take_staging_seconds"]

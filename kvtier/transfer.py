@@ -86,6 +86,7 @@ class TransferEngine:
         self.slots = [_Slot() for _ in range(n_slots)]
         self.work: dict[str, torch.Tensor] = {}
         self.allocations = 0  # buffer (re)allocations, to show reuse
+        self.kernel_staging_bytes = 0  # staging buffers held by a consumer that stages itself (count_streamed)
 
     # ---- host memory -------------------------------------------------------------------------
     def host_empty(self, shape, dtype) -> torch.Tensor:
@@ -206,6 +207,17 @@ class TransferEngine:
             torch.cuda.current_stream(self.device).wait_event(slot.ready)
         return {name: slot.buffers[name][: src.numel()].view(src.shape) for name, src in tensors.items()}
 
+    def count_streamed(self, nbytes: int, seconds: float, buffer_bytes: int) -> None:
+        """Account for ``nbytes`` streamed by a consumer that copies them itself (the fused CPU kernel stages a
+        streamed T1 block by block into ``buffer_bytes`` of per-thread buffers), taking ``seconds``."""
+        c = self.counters
+        c.stream_h2d_bytes += nbytes
+        c.seconds += seconds
+        c.copies += 1
+        if buffer_bytes != self.kernel_staging_bytes:
+            self.kernel_staging_bytes = buffer_bytes
+            self.allocations += 1  # device memory changed: the owner re-reads staging_bytes()
+
     def release(self, slot_idx: int) -> None:
         """Mark the slot's data as read, so the next prefetch into it may start."""
         slot = self.slots[slot_idx]
@@ -228,7 +240,7 @@ class TransferEngine:
     def staging_bytes(self) -> int:
         """Device memory held by staging slots and work buffers."""
         n = sum(b.numel() * b.element_size() for s in self.slots for b in s.buffers.values())
-        return n + sum(b.numel() * b.element_size() for b in self.work.values())
+        return n + sum(b.numel() * b.element_size() for b in self.work.values()) + self.kernel_staging_bytes
 
     def reset(self) -> None:
         self.resolve_timings() if self.is_cuda else None

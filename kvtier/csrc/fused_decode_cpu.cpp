@@ -6,10 +6,16 @@
 // group's query heads is added, summed over kv-heads in a fixed order, to scores[b, pos[b, j]] (float64).
 // Masked columns (bias -inf) never reach the output or the scores: their K/V may be stale or uninitialised (a K
 // slot inside a block of 4 is read and its logit replaced by -inf; a masked V slot is never read).
+// A region marked "staged" is host memory that the step streams (t1_attention="stream"): each (b, h) block of its
+// K, then of its V, is copied into a buffer of the worker thread just before that block is read, and read from
+// there. The same bytes move every step as with a whole-layer staging copy, but the device-side buffer is one
+// block per thread (it stays in cache) instead of a layer's T1. Same floats as reading the region in place.
 // The eager reference is decode_attention.partial/merge/add_weights; tests compare the two.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -240,7 +246,33 @@ struct Region {
   double* scores;  // accumulator of this region's positions (B, N + 1), row stride ss0
   int64_t ss0;
   int64_t width;  // its N + 1 columns: every position is checked against it
+  bool staged;    // copied block by block into the thread's staging buffer before it is read (see the top)
 };
+
+// Staging accounting, read (and the time reset) from Python: nanoseconds the workers spent copying staged blocks,
+// summed over threads, and the bytes held by their staging buffers (they only grow).
+std::atomic<int64_t> g_stage_ns{0};
+std::atomic<int64_t> g_stage_buffer_bytes{0};
+
+// The (b, h) block of a staged region's K or V, C rows of D values at row stride rs, copied into the thread's
+// staging buffer; returns the copy, rows D apart. The time goes to ns.
+template <typename T>
+const T* stage_block(const T* src, int64_t rs, int64_t C, int64_t D, std::vector<float>& buf, int64_t& ns) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const size_t need = (static_cast<size_t>(C * D) * sizeof(T) + sizeof(float) - 1) / sizeof(float);
+  if (buf.size() < need) {
+    g_stage_buffer_bytes += static_cast<int64_t>((need - buf.size()) * sizeof(float));
+    buf.resize(need);
+  }
+  T* dst = reinterpret_cast<T*>(buf.data());
+  if (rs == D) {
+    std::memcpy(dst, src, static_cast<size_t>(C * D) * sizeof(T));
+  } else {
+    for (int64_t j = 0; j < C; ++j) std::memcpy(dst + j * D, src + j * rs, static_cast<size_t>(D) * sizeof(T));
+  }
+  ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+  return dst;
+}
 
 // One key's logits for the g query heads (stride ld in s), the running max updated.
 inline void logits_one_key(const float* qh, const float* kr, float bias, float scaling, int64_t g, int64_t D,
@@ -271,6 +303,8 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
               int64_t H, int64_t g, int64_t D, int64_t Ctot, float scaling, bool want_scores) {
   thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf, qf_buf;
   thread_local std::vector<uint16_t> qb_buf;
+  thread_local std::vector<float> stage_buf;  // a staged region's block (K, then V): reused, kept between calls
+  int64_t stage_ns = 0;
   thread_local std::vector<v4> m4_buf;
   m4_buf.resize(static_cast<size_t>(g));
   v4* m4 = m4_buf.data();
@@ -303,8 +337,12 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
     // pass 1: logits, running max. Blocks of 4 keys share each query load (D a multiple of 16); a masked
     // column's logit is computed from whatever its slot holds and then replaced by -inf.
     int64_t off = 0;
-    for (const Region r : regs) {
+    for (Region r : regs) {
       const T* kb = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
+      if (r.staged) {
+        kb = stage_block(kb, r.ks2, r.C, D, stage_buf, stage_ns);
+        r.ks2 = D;
+      }
       const float* bias = r.bias + b * r.bs0;
       int64_t j = 0;
 #ifdef KVTIER_KEYS16
@@ -420,8 +458,12 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
     // of 16, key by key. Masked keys are never read (their slots may hold anything).
     std::fill(o, o + g * D, 0.f);
     off = 0;
-    for (const Region r : regs) {
+    for (Region r : regs) {
       const T* vb = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
+      if (r.staged) {
+        vb = stage_block(vb, r.vs2, r.C, D, stage_buf, stage_ns);
+        r.vs2 = D;
+      }
       const float* bias = r.bias + b * r.bs0;
       if (D % 16 == 0) {
         for (int64_t j0 = 0; j0 < r.C; j0 += kValueTile) {
@@ -454,6 +496,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       }
     }
   }
+  if (stage_ns) g_stage_ns += stage_ns;
 }
 
 template <typename T, typename QO>
@@ -491,11 +534,13 @@ void fold_scores(const float* w, const std::vector<Region>& regs, int64_t B, int
 
 // q (B, H, g, D) float32 or bfloat16 contiguous; ks/vs (B, H, C_r, D) float32 or bfloat16 (same for all), last dim contiguous;
 // biases (B, 1, 1, C_r) float32 (0 kept, -inf masked); poss (B, C_r) int64; scores: one (B, N + 1) float64
-// accumulator per region (or an empty list: no scores). Returns the normalised output (B, H, g, D) in q's dtype
-// (float32 statistics and sums throughout; a bfloat16 output is rounded once, to nearest even).
+// accumulator per region (or an empty list: no scores); staged: one flag per region (or none), those regions are
+// read through the staging buffer. Returns the normalised output (B, H, g, D) in q's dtype (float32 statistics
+// and sums throughout; a bfloat16 output is rounded once, to nearest even).
 torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
                            std::vector<torch::Tensor> biases, std::vector<torch::Tensor> poss,
-                           std::vector<torch::Tensor> scores, double score_scale, double scaling) {
+                           std::vector<torch::Tensor> scores, double score_scale, double scaling,
+                           std::vector<bool> staged) {
   TORCH_CHECK(q.dim() == 4 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
               "q: (B, H, g, D) float32 or bfloat16 contiguous");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), D = q.size(3);
@@ -503,6 +548,7 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
   TORCH_CHECK(R >= 1 && vs.size() == R && biases.size() == R && poss.size() == R, "one k, v, bias, pos per region");
   const bool want_scores = !scores.empty();
   TORCH_CHECK(!want_scores || scores.size() == R, "scores: one accumulator per region, or none");
+  TORCH_CHECK(staged.empty() || staged.size() == R, "staged: one flag per region, or none");
   const auto kv_type = ks[0].scalar_type();
   TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16, "k/v: float32 or bfloat16");
   std::vector<Region> regs;
@@ -520,7 +566,7 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
                     pos.stride(1) == 1, "region ", i, ": pos must be (B, C) int64");
     Region r{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
              v.stride(2), bias.data_ptr<float>(), bias.stride(0), pos.data_ptr<int64_t>(), pos.stride(0), C,
-             nullptr, 0, 0};
+             nullptr, 0, 0, !staged.empty() && staged[i]};
     if (want_scores) {
       const auto& sc = scores[i];
       TORCH_CHECK(sc.dim() == 2 && sc.size(0) == B && sc.scalar_type() == at::kDouble && sc.stride(1) == 1,
@@ -555,7 +601,13 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, like torch's own ops: a server's event loop keeps running while a layer attends
   m.def("fused_decode", &fused_decode, "fused multi-region decode attention with score update (CPU)",
+        py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("biases"), py::arg("poss"), py::arg("scores"),
+        py::arg("score_scale"), py::arg("scaling"), py::arg("staged") = std::vector<bool>{},
         py::call_guard<py::gil_scoped_release>());
+  m.def("take_staging_ns", []() { return g_stage_ns.exchange(0); },
+        "nanoseconds spent copying staged blocks since the last call, summed over worker threads");
+  m.def("staging_buffer_bytes", []() { return g_stage_buffer_bytes.load(); },
+        "bytes held by the worker threads' staging buffers");
   m.def("bf16_dots", []() {
 #ifdef KVTIER_DPBF16
     return true;
