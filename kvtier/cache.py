@@ -795,8 +795,12 @@ class TieredLayer(KVTierLayer):
         out = fused_cpu.attend(qg, ks, vs, biases, poss, scores, inv, scaling, staged)
         if kernel_stages:
             t1 = self._host_tensors(tiers=(T1,))
+            B, H, cap, D = self.k1.shape
+            # staging this stream needs: one (row, kv-head) block per worker thread (the kernel's buffers are the
+            # process's, shared by every cache, so their total is not this cache's)
+            block = cap * D * self.k1.element_size()
             st.engine.count_streamed(sum(t.numel() * t.element_size() for t in t1.values()),
-                                     fused_cpu.take_staging_seconds(), fused_cpu.staging_buffer_bytes())
+                                     fused_cpu.take_staging_seconds(), min(torch.get_num_threads(), B * H) * block)
         if host_tiers and not on_host and (T2 in host_tiers or not kernel_stages):
             self._release()
         return out
