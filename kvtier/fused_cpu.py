@@ -149,8 +149,9 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
 
 
 def take_staging_seconds() -> float:
-    """Seconds the kernel's workers spent copying staged blocks since the last call, divided by the threads that
-    share the work (the copies run side by side, one block per worker at a time): the streaming time."""
+    """Seconds the kernel's workers spent copying staged blocks in the calls this thread made since its last take,
+    divided by the threads that share the work (the copies run side by side, one block per worker at a time): the
+    streaming time. Kept per calling thread, so caches decoding in different threads each take their own."""
     mod = _module()
     return 0.0 if mod is None else mod.take_staging_ns() / 1e9 / max(1, torch.get_num_threads())
 

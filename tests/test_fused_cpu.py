@@ -119,6 +119,35 @@ def test_staged_regions_read_the_same_floats(dtype, D):
                          None, 0.01, 0.2, [True])
 
 
+def test_staging_time_is_taken_by_the_thread_that_attended():
+    """Two caches decoding in different threads must not take each other's copy time: a staged call made in
+    another thread leaves this thread's time at zero, and that thread takes its own."""
+    import threading
+
+    g = torch.Generator().manual_seed(5)
+    B, H, D = 2, 2, 32
+    regs, _ = _regions(B, H, D, [40, 300], torch.float32, g)
+    q = torch.randn(B, H, 3, D, generator=g)
+    fused_cpu.take_staging_seconds()
+    attended, mine_taken, taken = threading.Event(), threading.Event(), {}
+
+    def other():
+        fused_cpu.take_staging_seconds()
+        fused_cpu.attend(q, [r[0] for r in regs], [r[1] for r in regs], [r[2] for r in regs], [r[3] for r in regs],
+                         None, 0.01, 0.2, [False, True])
+        attended.set()
+        mine_taken.wait(30)  # this thread takes only after the main thread has taken its own
+        taken["other"] = fused_cpu.take_staging_seconds()
+
+    t = threading.Thread(target=other)
+    t.start()
+    assert attended.wait(30)
+    mine = fused_cpu.take_staging_seconds()
+    mine_taken.set()
+    t.join()
+    assert mine == 0 and taken["other"] > 0
+
+
 def test_kernel_rejects_bad_shapes():
     q = torch.randn(1, 2, 3, 16)
     k = torch.randn(1, 2, 5, 16)

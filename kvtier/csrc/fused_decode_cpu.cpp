@@ -249,9 +249,11 @@ struct Region {
   bool staged;    // copied block by block into the thread's staging buffer before it is read (see the top)
 };
 
-// Staging accounting, read (and the time reset) from Python: nanoseconds the workers spent copying staged blocks,
-// summed over threads, and the bytes held by their staging buffers (they only grow).
-std::atomic<int64_t> g_stage_ns{0};
+// Staging accounting, read from Python. The time: nanoseconds the workers spent copying staged blocks, summed over
+// the workers of each call and kept per *calling* thread (read and reset by that thread), so that caches decoding
+// in different threads do not take one another's time. The bytes held by the workers' staging buffers are the
+// process's (the pool is shared; they only grow).
+thread_local int64_t t_caller_stage_ns = 0;
 std::atomic<int64_t> g_stage_buffer_bytes{0};
 
 // The (b, h) block of a staged region's K or V, C rows of D values at row stride rs, copied into the thread's
@@ -300,7 +302,8 @@ inline void add_one_value(const float* e, int64_t ld, const float* vr, int64_t g
 // reloaded after each of them.
 template <typename T, typename QO>
 void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const std::vector<Region>& regs,
-              int64_t H, int64_t g, int64_t D, int64_t Ctot, float scaling, bool want_scores) {
+              int64_t H, int64_t g, int64_t D, int64_t Ctot, float scaling, bool want_scores,
+              std::atomic<int64_t>& call_stage_ns) {
   thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf, qf_buf;
   thread_local std::vector<uint16_t> qb_buf;
   thread_local std::vector<float> stage_buf;  // a staged region's block (K, then V): reused, kept between calls
@@ -496,15 +499,17 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       }
     }
   }
-  if (stage_ns) g_stage_ns += stage_ns;
+  if (stage_ns) call_stage_ns += stage_ns;
 }
 
 template <typename T, typename QO>
 void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t g,
          int64_t D, int64_t Ctot, float scaling, bool want_scores) {
+  std::atomic<int64_t> call_stage_ns{0};
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    run_rows<T, QO>(begin, end, q, out, w, regs, H, g, D, Ctot, scaling, want_scores);
+    run_rows<T, QO>(begin, end, q, out, w, regs, H, g, D, Ctot, scaling, want_scores, call_stage_ns);
   });
+  t_caller_stage_ns += call_stage_ns.load();  // run() executes on the caller's thread
 }
 
 void fold_scores(const float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t Ctot,
@@ -604,8 +609,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("biases"), py::arg("poss"), py::arg("scores"),
         py::arg("score_scale"), py::arg("scaling"), py::arg("staged") = std::vector<bool>{},
         py::call_guard<py::gil_scoped_release>());
-  m.def("take_staging_ns", []() { return g_stage_ns.exchange(0); },
-        "nanoseconds spent copying staged blocks since the last call, summed over worker threads");
+  m.def("take_staging_ns", []() { const int64_t ns = t_caller_stage_ns; t_caller_stage_ns = 0; return ns; },
+        "nanoseconds spent copying staged blocks in this thread's calls since its last take, summed over workers");
   m.def("staging_buffer_bytes", []() { return g_stage_buffer_bytes.load(); },
         "bytes held by the worker threads' staging buffers");
   m.def("bf16_dots", []() {
