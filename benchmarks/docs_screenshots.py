@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvtier import viz
+from kvtier.tools import viz
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
     python benchmarks/kernel_ab.py --base HEAD [--reps 150] [--threads 0]
 
-Both sources are built as kvtier builds its kernel (``kvtier.fused_cpu.build``) into a temporary directory, then
+Both sources are built as kvtier builds its kernel (``kvtier.attention.fused_cpu.build``) into a temporary directory, then
 timed interleaved (each repetition runs SDPA, then base and working tree in alternating order) over one layer of Qwen2.5-0.5B's shapes
 (2 kv-heads x 7 query heads, head dim 64), two regions (30% / 70% of the context, as ``tiered`` hbm 0.3 lays
 them out), with the score update. Prints per-call medians, each vs SDPA over the same keys, new/base, and the
@@ -21,9 +21,9 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from kernel_micro import layer_inputs  # this folder is on sys.path when run as a script
-from kvtier import fused_cpu
+
+from kvtier.attention import fused_cpu
 
 SHAPES = [(1, 2048, torch.float32), (1, 2048, torch.bfloat16), (4, 8192, torch.float32), (4, 8192, torch.bfloat16)]
 

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kvtier import fused_cpu
+from kvtier.attention import fused_cpu
 
 
 def layer_inputs(B: int, H: int, g: int, D: int, T: int, dt: torch.dtype):

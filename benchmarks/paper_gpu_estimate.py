@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvtier.eval.sweep import config_parts, expand_grid  # noqa: E402
-from kvtier.plan import plan  # noqa: E402
+from kvtier.tools.memplan import plan  # noqa: E402
 
 SIZES = {"gsm8k": 1319, "math500": 500, "math_level5": 1324, "arc_challenge": 1172}  # test split sizes
 PROMPT_TOKENS = 200  # the R1 template + one question, rounded up

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .attention import prepare_model
+from .attention.registration import prepare_model
 from .cache import KVTierCache
 from .config import TierConfig
 from .policies import POLICIES, get_policy
@@ -17,22 +17,21 @@ def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
         policy: a name in :data:`POLICIES` (``"full"``, ``"tiered"``, ...).
         model: a transformers causal LM (Qwen2, Llama, Mistral, Qwen3-style decoders).
         record_tiers: ``True`` keeps one int8 row of placements per reassignment (``cache.tier_history()``, for
-            :mod:`kvtier.tiermap` and ``kvtier generate --html``); a callable ``f(step, row)`` receives the rows
+            :mod:`kvtier.tiers.tiermap` and ``kvtier generate --html``); a callable ``f(step, row)`` receives the rows
             instead; ``False`` (default) records nothing.
         **params: the policy's parameters, e.g. ``hbm_ratio=0.3, evict_ratio=0.03``.
     Raises:
         ValueError: unknown policy or parameter, or a parameter out of range.
         NotImplementedError: the model's attention is not supported (sliding window, MLA).
     """
-    from .tiermap import attach_recorder, check_record_tiers
+    from .tiers.tiermap import attach_recorder, check_record_tiers
 
     cls = get_policy(policy)
     cls.check_params(params)
     check_record_tiers(record_tiers)
     prepare_model(model)
-    from .attention import num_cache_layers
-
-    from .layer_base import model_shape
+    from .attention.registration import num_cache_layers
+    from .cache.base import model_shape
 
     cache = cls.build(num_cache_layers(model), **params)
     cache.model_shape = model_shape(model.config)  # (layers, kv-heads, head_dim): checked at the first prefill

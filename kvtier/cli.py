@@ -11,8 +11,15 @@ from typing import Optional
 import typer
 import typer.core
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
+
 
 class _OneLineErrors(typer.core.TyperGroup):
     """Usage errors (a flag typer cannot parse, an unknown option) as one ``error:`` line and exit code 2, like
@@ -192,6 +199,7 @@ def generate(
         import torch
 
         import kvtier
+
         from .models import chat_prompt
 
         params = {**_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
@@ -217,8 +225,8 @@ def generate(
         console.print(tok.decode(out[0, plen:], skip_special_tokens=True), markup=False, highlight=False)
         console.print_json(json.dumps(cache.stats()))
         if html or png:
-            from . import viz
-            from .tiermap import sequence_map, token_pieces
+            from .tiers.tiermap import sequence_map, token_pieces
+            from .tools import viz
 
             p_ids, c_ids = enc.input_ids[0].tolist(), out[0, plen:].tolist()
             pieces = token_pieces(tok, p_ids, skip_special=False) + token_pieces(tok, c_ids)
@@ -262,6 +270,7 @@ def serve(
 
     def go():
         import kvtier
+
         from .models import resolve_device, resolve_dtype
         from .serve import EngineConfig, _uvicorn
         from .serve import serve as run_server
@@ -540,6 +549,7 @@ def eval_cmd(
 
     def go():
         import kvtier
+
         from .eval.records import check_run_dir
         from .eval.report import write_report
         from .eval.runner import EvalConfig, load_all, run_eval
@@ -601,6 +611,7 @@ def sweep(
 
     def go():
         import kvtier
+
         from .eval.records import check_run_dir
         from .eval.report import write_report
         from .eval.runner import load_all, run_eval
@@ -727,6 +738,7 @@ def demo(
 
     def go():
         import kvtier
+
         from .eval.datasets import check_benchmark
         from .eval.demo import DEMO_BENCHMARK, run_demo
         from .eval.records import check_run_dir
@@ -794,8 +806,8 @@ def bench(
     """Decode throughput, transfer share and memory per policy, as ratios measured in one run."""
 
     def go():
-        from .bench import BenchConfig, run_bench
         from .models import resolve_device
+        from .tools.bench import BenchConfig, run_bench
 
         gpu = resolve_device(device).type == "cuda"
         if json_out is not None:
@@ -909,7 +921,7 @@ def plan(
     """KV bytes per tier, device memory saved, and decode-step floors per T1 mode (stream / host / both)."""
 
     def go():
-        from .plan import plan as make_plan
+        from .tools.memplan import plan as make_plan
 
         p = make_plan(model, batch, seq_len, hbm_ratio, evict_ratio, quant_ratio, dtype, pcie_gbps, hbm_gbps,
                       protected_tokens, hardware=hardware, host_gbps=host_gbps)

@@ -12,8 +12,9 @@ settings.register_profile("kvtier", derandomize=True, database=None)
 settings.load_profile("kvtier")
 
 import kvtier
-from kvtier.models import random_model
 from kvtier.compat import cache_kw
+from kvtier.models import random_model
+
 
 def _find_data_dir() -> Path:
     """The shared benchmark data (never copied into the repo): $KVTIER_DATA_DIR, else a `shared/data` beside

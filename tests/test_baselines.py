@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import decode_loop, forced_logits, generate, prompt_ids
 
 import kvtier
-from conftest import decode_loop, forced_logits, generate, prompt_ids
 from kvtier.config import budget as floor_budget
-from kvtier.planner import T3
+from kvtier.tiers.planner import T3
 
 FULL_BUDGET = {
     "tiered": dict(hbm_ratio=0.3, evict_ratio=0.0, retier_interval=8, recent_window=8),
@@ -244,7 +243,7 @@ def test_tier_map_and_kept_mask_of_the_tiered_family(qwen2):
 def test_budget_floor_gives_a_baseline_the_hierarchys_device_tokens(qwen2):
     """Equal memory: budget_ratio=h, budget_floor=recent_window is the tiered planner's T0 size at every
     reassignment (max(|prompt + sinks + recent window|, floor(h * N)))."""
-    from kvtier.headwise import EvictionBudget
+    from kvtier.cache.headwise import EvictionBudget
 
     ids, mask = _padded_pair()
     tiered = kvtier.make_cache("tiered", qwen2, hbm_ratio=0.3, evict_ratio=0.1, retier_interval=8, recent_window=6)

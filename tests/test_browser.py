@@ -11,11 +11,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvtier import viz
 from kvtier.cli import app
 from kvtier.eval.report import write_report
 from kvtier.eval.runner import EvalConfig, run_eval
 from kvtier.models import byte_tokenizer, random_model
+from kvtier.tools import viz
 
 
 @pytest.fixture(scope="module")

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import decode_loop, generate, padded_batch, prompt_ids
 
 import kvtier
-from conftest import decode_loop, generate, padded_batch, prompt_ids
-from kvtier.config import budget
-from kvtier.layout import TAIL
-from kvtier.planner import T0, T1, T2, T3
 from kvtier.compat import cache_kw
+from kvtier.config import budget
+from kvtier.tiers.layout import TAIL
+from kvtier.tiers.planner import T0, T1, T2, T3
 
 PARAMS = dict(hbm_ratio=0.3, quant_ratio=0.1, evict_ratio=0.1, retier_interval=8, recent_window=8, sink_tokens=2)
 

@@ -12,11 +12,11 @@ import json
 from pathlib import Path
 
 import pytest
+from conftest import DATA_DIR
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from conftest import DATA_DIR
 from kvtier.cli import app
 
 pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="shared benchmark data not found next to the repo")

@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 import transformers
+from conftest import prompt_ids
 from transformers import DynamicCache
 
 import kvtier
 from kvtier import compat
-
-from conftest import prompt_ids
 
 
 def _v(s: str) -> tuple[int, ...]:

@@ -11,9 +11,9 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import DATA_DIR
 from typer.testing import CliRunner
 
-from conftest import DATA_DIR
 from kvtier.cli import app
 
 pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="shared benchmark data not found next to the repo")

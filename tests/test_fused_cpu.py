@@ -1,15 +1,15 @@
-"""The fused CPU decode kernel (kvtier/csrc/fused_decode_cpu.cpp) against the eager partials it replaces, and
+"""The fused CPU decode kernel (kvtier/attention/csrc/fused_decode_cpu.cpp) against the eager partials it replaces, and
 through generation against the eager split path and the ordered reference."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import decode_loop, generate, padded_batch, prompt_ids
 
 import kvtier
-from conftest import decode_loop, generate, padded_batch, prompt_ids
-from kvtier import fused_cpu
-from kvtier.decode_attention import add_weights, mask_bias, merge, partial
+from kvtier.attention import fused_cpu
+from kvtier.attention.merge import add_weights, mask_bias, merge, partial
 
 
 def test_the_kernel_builds_here():

@@ -9,8 +9,8 @@ import torch
 
 import kvtier
 from kvtier import models
-from kvtier.models import ModelLoadError
 from kvtier.compat import cache_kw
+from kvtier.models import ModelLoadError
 
 
 @pytest.mark.parametrize("name", ["random:tiny-qwen2", "random:tiny-llama"])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import forced_logits, generate, prompt_ids
 from transformers import DynamicCache
 
 import kvtier
-from conftest import forced_logits, generate, prompt_ids
 from kvtier.compat import cache_kw
 
 

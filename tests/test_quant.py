@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier.quant import dequantize, quantize
+from kvtier.tiers.quant import dequantize, quantize
 
 
 @settings(max_examples=60, deadline=None)

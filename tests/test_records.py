@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DATA_DIR, prompt_ids
 from typer.testing import CliRunner
 
 import kvtier
-from conftest import DATA_DIR, prompt_ids
 from kvtier.cli import app
-from kvtier.models import preset_config
 from kvtier.compat import cache_kw
+from kvtier.models import preset_config
 
 pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="shared benchmark data not found next to the repo")
 runner = CliRunner()
@@ -250,7 +250,7 @@ def test_bench_json_folder_is_refused_before_running(tmp_path):
 
 
 def test_bench_writes_each_finished_batch(tmp_path):
-    from kvtier.bench import BenchConfig, run_bench
+    from kvtier.tools.bench import BenchConfig, run_bench
 
     seen = []
     cfg = BenchConfig(model="random:tiny-qwen2", context=8, new_tokens=2, batches=(1, 2), policies=("full",),

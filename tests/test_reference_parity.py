@@ -4,7 +4,6 @@ identical kept sets per kv-head after every forward, on random fp32 tensors (the
 from __future__ import annotations
 
 import pytest
-
 from reference.common import drive_layer, random_qkv
 from reference.h2o_ref import h2o_history
 from reference.rkv_ref import rkv_history

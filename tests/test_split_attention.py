@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import decode_loop, generate, prompt_ids
 
 import kvtier
-from conftest import decode_loop, generate, prompt_ids
-from kvtier.decode_attention import combine, mask_bias, merge, ordered, partial, weights
-from kvtier.planner import T3
+from kvtier.attention.merge import combine, mask_bias, merge, ordered, partial, weights
+from kvtier.tiers.planner import T3
 
 
 # ---- the math ----------------------------------------------------------------------------------
@@ -176,7 +176,7 @@ def test_the_fused_kernel_attends_every_row_in_place(qwen2):
 
 
 def test_stream_rows_for_hand_computed_splits():
-    from kvtier.host_attention import stream_rows_for
+    from kvtier.attention.host import stream_rows_for
 
     # 8 rows of 100 MB: H2D 50 GB/s (2 ms a row), host 25 GB/s (4 ms a row), no latency: r streamed rows cost
     # 2r ms against 4(8 - r) ms; r = 5: max(10, 12) = 12; r = 6: max(12, 8) = 12 -> the tie goes to 5

@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
+from conftest import decode_loop, prompt_ids
 from typer.testing import CliRunner
 
 import kvtier
-from conftest import decode_loop, prompt_ids
 from kvtier.cli import app
-from kvtier.plan import plan
-from kvtier.transfer import TransferEngine
 from kvtier.compat import cache_kw
+from kvtier.tools.memplan import plan
+from kvtier.transfer import TransferEngine
 
 runner = CliRunner()
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -8,15 +8,15 @@ import re
 
 import pytest
 import torch
+from conftest import generate, prompt_ids
 
 import kvtier
-from kvtier import tiermap, viz
-from kvtier.models import byte_tokenizer
-from kvtier.planner import protected_mask
-from kvtier.tiermap import NOT_CACHED, SHARE, TIERS, TokenTiers
-
-from conftest import generate, prompt_ids
 from kvtier.compat import cache_kw
+from kvtier.models import byte_tokenizer
+from kvtier.tiers import tiermap
+from kvtier.tiers.planner import protected_mask
+from kvtier.tiers.tiermap import NOT_CACHED, SHARE, TIERS, TokenTiers
+from kvtier.tools import viz
 
 TIERED = dict(hbm_ratio=0.3, evict_ratio=0.2, quant_ratio=0.1, retier_interval=8, recent_window=4, sink_tokens=2,
               protect_prompt=False)

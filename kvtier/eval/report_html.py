@@ -16,8 +16,8 @@ import itertools
 from collections import defaultdict
 from pathlib import Path
 
-from .. import viz
-from ..tiermap import TIERS, TokenTiers, decode_codes, from_compact, tier_counts
+from ..tiers.tiermap import TIERS, TokenTiers, decode_codes, from_compact, tier_counts
+from ..tools import viz
 from .records import dedupe
 
 SORT_JS = """

@@ -25,8 +25,16 @@ import torch
 from .datasets import Problem, check_benchmark, load_problems
 from .grading import extract_answer, grade
 from .prompts import build_prompt
-from .records import (RECORDS, RunLock, check_run_dir, dedupe, open_for_append, problem_hash, read_records,
-                      stable_hash)
+from .records import (
+    RECORDS,
+    RunLock,
+    check_run_dir,
+    dedupe,
+    open_for_append,
+    problem_hash,
+    read_records,
+    stable_hash,
+)
 
 log = logging.getLogger(__name__)
 __all__ = ["EvalConfig", "RECORDS", "load_all", "read_records", "run_eval", "validate_policy"]
@@ -288,8 +296,9 @@ def _as_set(ids) -> set[int]:
 
 def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dict) -> list[dict]:
     import kvtier
+
     from ..compat import cache_kw
-    from ..tiermap import cache_codes, compact, sequence_map, token_pieces
+    from ..tiers.tiermap import cache_codes, compact, sequence_map, token_pieces
 
     prompts = [build_prompt(tok, c.benchmark, p) for _, _, p, _, _ in batch]
     enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)

@@ -2,9 +2,9 @@
 
 It is the reference every other policy is compared with; with ``attention="ordered"`` on both, ``tiered`` at
 ``evict_ratio=0`` gives bit-identical outputs (Proposition 1). In the default split mode it has one region and no
-scores to keep: it is read in place, by the fused CPU kernel (:mod:`kvtier.fused_cpu`, without its score update) on
+scores to keep: it is read in place, by the fused CPU kernel (:mod:`kvtier.attention.fused_cpu`, without its score update) on
 a CPU where that is the faster path, else by torch's SDPA (``kernel="eager"`` always SDPA, ``"fused"`` insists on
-the kernel; see :func:`kvtier.fused_cpu.sdpa_is_faster`).
+the kernel; see :func:`kvtier.attention.fused_cpu.sdpa_is_faster`).
 """
 
 from __future__ import annotations

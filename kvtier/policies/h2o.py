@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import torch
 
-from ..headwise import EvictionBudget, HeadwiseCache, Scorer
-from ..layer_base import check_number
+from ..cache.base import check_number
+from ..cache.headwise import EvictionBudget, HeadwiseCache, Scorer
 from .base import Policy
 
 _PREFILL_CHUNK = 256  # queries per chunk when summing the prompt's attention columns

@@ -31,10 +31,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..headwise import EvictionBudget, HeadwiseCache, Scorer
-from ..layer_base import check_number
+from ..cache.base import check_number
+from ..cache.headwise import EvictionBudget, HeadwiseCache, Scorer
 from .base import Policy
-
 
 LAMBDAS = {"code": 0.07, "paper": 0.1}
 

@@ -13,7 +13,7 @@ For the original prompt-only SnapKV (Li et al. 2024) use ``snapkv``.
 
 from __future__ import annotations
 
-from ..headwise import EvictionBudget, HeadwiseCache
+from ..cache.headwise import EvictionBudget, HeadwiseCache
 from .base import Policy
 from .rkv import RKVScorer, check_schedule
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..headwise import EvictionBudget, HeadwiseCache, Scorer
-from ..layer_base import check_number
+from ..cache.base import check_number
+from ..cache.headwise import EvictionBudget, HeadwiseCache, Scorer
 from .base import Policy
 
 

@@ -10,8 +10,8 @@ device each step, ``"host"`` attends them on the host and sends back one small p
 reassignment from measured bandwidths (on a CPU-only machine: ``"host"``, i.e. in place).
 
 ``kernel`` chooses the split step's implementation: ``"auto"`` (default) runs the fused CPU kernel
-(:mod:`kvtier.fused_cpu`: every region in one call, scores included) when the cache lives on a CPU and the kernel
-builds, else the eager partials of :mod:`kvtier.decode_attention`; ``"eager"`` always the latter; ``"fused"``
+(:mod:`kvtier.attention.fused_cpu`: every region in one call, scores included) when the cache lives on a CPU and the kernel
+builds, else the eager partials of :mod:`kvtier.attention.merge`; ``"eager"`` always the latter; ``"fused"``
 insists (an error where it cannot run).
 
 ``t1_on_device=True`` keeps a device copy of the host tiers between reassignments: T1/T2 then cross the bus

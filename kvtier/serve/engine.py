@@ -343,8 +343,9 @@ class Engine:
         return batch
 
     def _run(self, batch: list[GenRequest]) -> None:
-        import kvtier
         from transformers import StoppingCriteriaList
+
+        import kvtier
 
         from ..compat import cache_kw
 

@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .compat import take_over
+from ..compat import take_over
 
 ATTN_NAME = "kvtier"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .compat import hand_over
+from ..compat import hand_over
 
 
 def check_update(batch: int | None, n_total: int, keys: torch.Tensor) -> None:

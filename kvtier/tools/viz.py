@@ -1,5 +1,5 @@
 """Pictures of where tokens lived: self-contained HTML (inline CSS and SVG, no script needed, nothing fetched)
-and PNG (matplotlib), both drawn from :class:`kvtier.tiermap.TokenTiers` only.
+and PNG (matplotlib), both drawn from :class:`kvtier.tiers.tiermap.TokenTiers` only.
 
 - Every token is colored by its final tier (T0 HBM, T1 DRAM, T2 int8, T3 evicted; per-head policies: the
   share of layers x kv-heads still holding it); protected tokens are outlined; hovering shows position,
@@ -13,7 +13,7 @@ import html
 import unicodedata
 from pathlib import Path
 
-from .tiermap import NOT_CACHED, NOT_YET, TIER_NAMES, TIERS, TokenTiers
+from ..tiers.tiermap import NOT_CACHED, NOT_YET, TIER_NAMES, TIERS, TokenTiers
 
 TIER_COLORS = {0: "#9ad49a", 1: "#8fc1f0", 2: "#f5c36b", 3: "#f08a8a", NOT_CACHED: "#ffffff"}
 TIER_LABELS = {0: "T0 device (HBM)", 1: "T1 host DRAM, full precision", 2: "T2 host, int8", 3: "T3 evicted",

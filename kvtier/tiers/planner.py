@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .config import TierConfig, budget
+from ..config import TierConfig, budget
 
 T0, T1, T2, T3 = 0, 1, 2, 3
 PAD = -1  # left padding: never scored, never counted, never moved

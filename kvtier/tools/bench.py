@@ -20,9 +20,9 @@ from typing import Callable
 
 import torch
 
-from .models import load_model, resolve_device
-from .transfer import memcpy_peak_gbps
-from .compat import cache_kw
+from ..compat import cache_kw
+from ..models import load_model, resolve_device
+from ..transfer import memcpy_peak_gbps
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class BenchConfig:
             raise ValueError(f"batch sizes must be integers >= 1, got {self.batches!r}")
         import math
 
-        from .policies import get_policy
+        from ..policies import get_policy
 
         if not self.policies:
             raise ValueError("--policy needs at least one policy")
@@ -80,8 +80,8 @@ class BenchConfig:
                     raise ValueError(f"--{name[:-1].replace('_', '-')} values must be numbers in [0, 1], got {v!r}")
         if isinstance(self.recent_window, bool) or not isinstance(self.recent_window, int) or self.recent_window < 0:
             raise ValueError(f"--recent-window must be an integer >= 0, got {self.recent_window!r}")
-        from .cache import ATTENTION_MODES, T1_MODES
-        from .fused_cpu import KERNEL_MODES
+        from ..attention.fused_cpu import KERNEL_MODES
+        from ..cache import ATTENTION_MODES, T1_MODES
 
         flags = {"attentions": "--attention", "t1_attentions": "--t1-attention", "kernels": "--kernel"}
         for name, allowed in (("attentions", ATTENTION_MODES), ("t1_attentions", T1_MODES), ("kernels", KERNEL_MODES)):

@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .config import budget as floor_budget
-from .layer_base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
+from ..config import budget as floor_budget
+from .base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ class HeadwiseState:
         self.num_layers = num_layers
         self.protect_prompt = protect_prompt
         self.policy = policy
-        self.recorder = None  # a kvtier.tiermap.TierRecorder when make_cache(..., record_tiers=...) asked for one
+        self.recorder = None  # a kvtier.tiers.tiermap.TierRecorder when make_cache(..., record_tiers=...) asked for one
         self.reset()
 
     def reset(self) -> None:
@@ -208,7 +208,7 @@ class HeadwiseState:
         """(B, N) int8 on the host: percent of (layer, kv-head) pairs holding each position, -1 for padding."""
         if self.batch is None:
             return torch.zeros(0, 0, dtype=torch.int8)
-        from .tiermap import share_row
+        from ..tiers.tiermap import share_row
 
         return share_row(self.kept_mask(), self.valid[:, : self.n_total])
 
@@ -459,7 +459,7 @@ class HeadwiseCache(ShapeGuardedCache):
         return self.state.share_map()
 
     def tier_history(self):
-        """The :class:`kvtier.tiermap.TierRecorder` of ``make_cache(..., record_tiers=True)``, else None."""
+        """The :class:`kvtier.tiers.tiermap.TierRecorder` of ``make_cache(..., record_tiers=True)``, else None."""
         return self.state.recorder
 
     def row_budget(self, row: int) -> int | None:

@@ -11,9 +11,9 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .config import TierConfig, budget
-from .models import HUB_SHAPES, PRESETS, ModelLoadError, preset_config
-from .quant import int8_bytes_per_token
+from ..config import TierConfig, budget
+from ..models import HUB_SHAPES, PRESETS, ModelLoadError, preset_config
+from ..tiers.quant import int8_bytes_per_token
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .decode_attention import Partial, add_weights, combine, partial
-from .quant import dequantize
+from ..tiers.quant import dequantize
+from .merge import Partial, add_weights, combine, partial
 
 
 @dataclass

@@ -7,7 +7,7 @@ Data flow per layer:
                  new token to the device tail.
     attend()  -> ``attention="split"``: one partial softmax per region where it lives (T0 and the tail on the
                  device; T1 and deq(T2) streamed to the device or attended on the host, ``t1_attention``), merged
-                 by log-sum-exp (:mod:`kvtier.decode_attention`); nothing is assembled.
+                 by log-sum-exp (:mod:`kvtier.attention.merge`); nothing is assembled.
                  ``attention="ordered"``: gather every kept token in position order into a reused work buffer and
                  take one softmax over it (bit-identical across HBM ratios: the reference).
                  Both add the merged attention weights to the cumulative scores.
@@ -23,15 +23,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from . import fused_cpu
-from .config import TierConfig
-from .decode_attention import Partial, add_weights, mask_bias, merge, ordered, partial
-from .host_attention import HostAttention, HostRegion, host_tiers_partial, stream_rows_for
-from .layer_base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
-from .layout import TAIL, Layout, build_layout, gather_rows
-from .planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
-from .quant import dequantize, int8_bytes_per_token, quantize
-from .transfer import TransferEngine, memcpy_peak_gbps
+from ..attention import fused_cpu
+from ..attention.host import HostAttention, HostRegion, host_tiers_partial, stream_rows_for
+from ..attention.merge import Partial, add_weights, mask_bias, merge, ordered, partial
+from ..config import TierConfig
+from ..tiers.layout import TAIL, Layout, build_layout, gather_rows
+from ..tiers.planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
+from ..tiers.quant import dequantize, int8_bytes_per_token, quantize
+from ..transfer import TransferEngine, memcpy_peak_gbps
+from .base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ class TierState:
         # rows that stream their host tiers, in place of the per-layout choice (tests and tuning; eager path only:
         # the fused CPU kernel attends every tier in place)
         self.fixed_stream_rows: int | None = None
-        self.recorder = None  # a kvtier.tiermap.TierRecorder when make_cache(..., record_tiers=...) asked for one
+        self.recorder = None  # a kvtier.tiers.tiermap.TierRecorder when make_cache(..., record_tiers=...) asked for one
         self.reset()
 
     def reset(self) -> None:
@@ -156,7 +156,7 @@ class TierState:
         """The fused CPU kernel attends every region in one call where all of them are in CPU memory (a CPU
         device) and the host tiers are not on a worker thread; ``kernel="fused"`` insists, ``"eager"`` refuses.
         The full cache (one region, no scores) takes it under ``"auto"`` unless SDPA is the faster one on this CPU
-        (:func:`kvtier.fused_cpu.sdpa_is_faster`); its eager path is SDPA."""
+        (:func:`kvtier.attention.fused_cpu.sdpa_is_faster`); its eager path is SDPA."""
         if self.kernel == "eager" or self.attention != "split":
             return False
         why = None
@@ -343,7 +343,7 @@ class TierState:
         """How many rows (the first ones) stream their host tiers this layout; the others attend them on the host.
         ``auto``: on a CPU the host *is* the device, so attending in place beats a copy (0); on CUDA the split of the
         batch at which streaming and host attention, running side by side, finish together
-        (:func:`kvtier.host_attention.stream_rows_for`), from bandwidths measured once."""
+        (:func:`kvtier.attention.host.stream_rows_for`), from bandwidths measured once."""
         B = self.batch
         if self.attention == "ordered" or self.t1_on_device or self.t1_attention == "stream":
             return B
@@ -460,7 +460,7 @@ def measure_bandwidths(device: torch.device, dtype: torch.dtype, heads: int, hea
 class TieredLayer(KVTierLayer):
     """One layer's K/V split across T0 (device), T1 (host, full precision), T2 (host, int8) and a device tail.
 
-    Tier buffers are (B, H, cap, D) with stable slots (see :class:`kvtier.layout.TierTokens`); T1 and T2 live in
+    Tier buffers are (B, H, cap, D) with stable slots (see :class:`kvtier.tiers.layout.TierTokens`); T1 and T2 live in
     (pinned, on CUDA) host memory. The tail (B, H, cap_t, D) holds the tokens since the last reassignment.
     """
 
@@ -912,7 +912,7 @@ class KVTierCache(ShapeGuardedCache):
         return st.codes()
 
     def tier_history(self):
-        """The :class:`kvtier.tiermap.TierRecorder` of ``make_cache(..., record_tiers=True)``, else None."""
+        """The :class:`kvtier.tiers.tiermap.TierRecorder` of ``make_cache(..., record_tiers=True)``, else None."""
         return self.state.recorder
 
     def kept_mask(self) -> torch.Tensor:

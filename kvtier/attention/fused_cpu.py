@@ -3,7 +3,7 @@
 On a CPU the split decode step is ~50 small eager ops per layer (partials, log-sum-exp merge, weight folds),
 and their dispatch, not the arithmetic, is what puts ``tiered`` behind ``full`` (0.47 ms vs SDPA's 0.14 ms
 per layer at 2K tokens with T1 in use, measured). The kernel attends every region as one softmax (float32 statistics) and adds
-the merged weights to the score accumulators in the same call; :mod:`kvtier.decode_attention` stays the
+the merged weights to the score accumulators in the same call; :mod:`kvtier.attention.merge` stays the
 reference it is tested against (and the path on CUDA, and wherever the kernel cannot be built).
 
 Built on first use (~40 s) by torch's JIT extension loader (needs gcc and the ``ninja`` package, the

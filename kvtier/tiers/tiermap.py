@@ -12,7 +12,7 @@ Row codes, per logical position (B, N) int8:
   percentage 0-100 of (layer, kv-head) pairs that still hold the position, -1 for left padding.
 
 :class:`TokenTiers` is one sequence's map (prompt + completion, left padding dropped): final codes, scores,
-protected marks, and the recorded history, all JSON-able; the HTML and PNG renderers (:mod:`kvtier.viz`)
+protected marks, and the recorded history, all JSON-able; the HTML and PNG renderers (:mod:`kvtier.tools.viz`)
 read only this. Records store the compact form (:func:`compact`): one character per token.
 """
 

@@ -1,0 +1,1 @@
+"""The decode math: partial softmaxes and their log-sum-exp merge (merge), the host-side worker (host), the fused CPU kernel (fused_cpu + csrc/), the tiered layer's decode paths (tiered), and the hook into transformers (registration)."""

@@ -1,0 +1,1 @@
+"""Tools on top of the cache: the decode benchmark (bench), the device-memory planner behind ``kvtier plan`` (memplan), tier-map renderers (viz)."""
