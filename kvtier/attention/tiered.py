@@ -1,0 +1,203 @@
+"""The tiered layer's decode step: which regions it attends where, in which order, and where their scores go.
+
+Three paths, all for one new token per row (``query`` (B, Hq, 1, D)):
+    attend_split    each region where it lives (T0 + tail on the device; T1 and deq(T2) streamed to the device
+                    or attended on the host), merged by log-sum-exp (:mod:`.merge`, :mod:`.host`); on a CPU device
+                    one call of the fused kernel (:mod:`.fused_cpu`) does the same step;
+    attend_full     the full cache: one region (the tail buffer) read in place, no scores;
+    attend_ordered  the reference: every kept token gathered in position order (:func:`assemble`), one softmax.
+The layer (:class:`kvtier.cache.layer.TieredLayer`) owns the buffers these read; nothing here allocates K/V.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from ..tiers.planner import T0, T1, T2
+from ..tiers.quant import dequantize
+from . import fused_cpu
+from .host import HostRegion, host_tiers_partial
+from .merge import Partial, add_weights, merge, ordered, partial
+
+if TYPE_CHECKING:
+    from ..cache.layer import TieredLayer
+
+
+def attend_full(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Split mode without scores (the full cache): one region, read in place by the fused CPU kernel or SDPA.
+
+    The query heads of one KV head attend as one group: ``query`` (B, Hq, 1, D) is viewed as (B, H_kv, Hq/H_kv,
+    D) — Hq/H_kv "query positions" per KV head, nothing causal between them — rather than passing
+    ``enable_gqa``, which on CPU falls off SDPA's fused kernel (2-3x slower at 2K-8K tokens, measured)."""
+    st = layer.state
+    n = st.n_total
+    B, Hq, _, D = query.shape
+    H = layer.tail_k.shape[1]
+    if st.fused:
+        # the whole buffer with its closed columns (-inf, never read) rather than a slice: the mask and
+        # positions are rebuilt only when the buffer grows, and one column opens per step
+        bias, pos = st.device_view(0, layer.tail_k.shape[2])
+        out = fused_cpu.attend(query.reshape(B, H, Hq // H, D), [layer.dev_k], [layer.dev_v], [bias], [pos], None,
+                               0.0, scaling)
+        return out.reshape(B, Hq, 1, D)
+    mask = st.valid_dev[:, :n].view(st.batch, 1, 1, n) if st.padded else None
+    out = F.scaled_dot_product_attention(query.reshape(B, H, Hq // H, D), layer.tail_k[:, :, :n], layer.tail_v[:, :, :n],
+                                         attn_mask=mask, scale=scaling)
+    return out.reshape(B, Hq, 1, D)
+
+
+def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Each region attended where it lives, merged by log-sum-exp; scores from the merged weights."""
+    st = layer.state
+    lay = st.layout
+    B, Hq, _, D = query.shape
+    H = layer.dev_k.shape[1]
+    qg = query.reshape(B, H, Hq // H, D).contiguous()
+    keep = True  # retier-enabled caches always score
+    meta = st.meta()
+    inv = st.inv_heads_layers
+    host_tiers = [x for x in (T1, T2) if lay.tiers[x].count]
+    if st.fused:
+        return attend_fused(layer, qg, host_tiers, meta, scaling, inv).to(query.dtype)
+    # rows [0, r) stream their host tiers to the device, rows [r, B) attend them on the host ("both" when
+    # 0 < r < B): each row's host tiers give one partial either way, and the two row blocks make one
+    r = st.stream_rows
+    on_host, streamed = slice(r, B), slice(0, r)
+    job = None
+    if host_tiers and r < B:
+        job = st.host.submit(layer.layer_idx, qg[on_host], host_regions(layer, host_tiers, meta, True, on_host),
+                             scaling, keep, inv, row0=r)
+    # T0 and the tail are one contiguous device buffer, attended whole (empty slots and columns masked)
+    bias, dpos = st.device_view(layer.cap0, layer.tail_k.shape[2])
+    parts = [partial(qg, layer.dev_k, layer.dev_v, bias, scaling, keep)]
+    host_state = stream_state = None
+    if host_tiers:
+        pieces = []
+        if r > 0:
+            regions = host_regions(layer, host_tiers, meta, False, streamed)
+            sp, sparts, cs = host_tiers_partial(qg[streamed], regions, scaling, keep, query.dtype)
+            stream_state = (sparts, cs, [x.pos for x in regions])
+            layer._release()
+            pieces.append(sp)
+        if job is not None:
+            hp, host_state = st.host.result(job)
+            pieces.append(hp)
+        parts.append(pieces[0] if len(pieces) == 1 else
+                     Partial(*(torch.cat([getattr(p, a) for p in pieces]) for a in ("o", "m", "l"))))
+    out, fs = merge(parts)
+    add_weights(st.scores, dpos, parts[0].e, fs[0], inv)
+    if host_tiers:
+        f_host = fs[-1]
+        if stream_state is not None:
+            for p, c, ps in zip(*stream_state):
+                add_weights(st.scores[streamed], ps, p.e, c * f_host[streamed], inv)
+        if job is not None:
+            st.host.post(layer.layer_idx, host_state, f_host[on_host])
+    return out.to(query.dtype)
+
+
+def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], meta: dict, scaling: float, inv: float
+                  ) -> torch.Tensor:
+    """The same step as the eager split path in one kernel call (CPU): T0 and the tail, then T1 and deq T2
+    (host buffers or their staged copies), one softmax, scores added to the accumulator each region's tokens
+    belong to (the host one for host-attended tiers). Returns (B, H, g, D) float32."""
+    st = layer.state
+    bias, dpos = st.device_view(layer.cap0, layer.tail_k.shape[2])
+    ks, vs, biases, poss, scores = [layer.dev_k], [layer.dev_v], [bias], [dpos], [st.scores]
+    staged = [False]
+    on_host = st.host_attn
+    # streaming T1: the kernel stages it itself, block by block (see fused_cpu.attend); int8 T2 is staged
+    # whole and dequantised on the device as on the eager path
+    kernel_stages = T1 in host_tiers and not on_host and not st.t1_on_device
+    if host_tiers:
+        for x, r in zip(host_tiers, host_regions(layer, host_tiers, meta, on_host, in_place=kernel_stages)):
+            k, v = r.kv(qg.dtype)
+            ks.append(k), vs.append(v), biases.append(r.bias), poss.append(r.pos)
+            scores.append(st.scores_host if on_host else st.scores)
+            staged.append(kernel_stages and x == T1)
+        if on_host:
+            st.host.jobs += 1
+    out = fused_cpu.attend(qg, ks, vs, biases, poss, scores, inv, scaling, staged)
+    if kernel_stages:
+        t1 = layer._host_tensors(tiers=(T1,))
+        B, H, cap, D = layer.k1.shape
+        # staging this stream needs: one (row, kv-head) block per worker thread (the kernel's buffers are the
+        # process's, shared by every cache, so their total is not this cache's)
+        block = cap * D * layer.k1.element_size()
+        st.engine.count_streamed(sum(t.numel() * t.element_size() for t in t1.values()),
+                                 fused_cpu.take_staging_seconds(), min(torch.get_num_threads(), B * H) * block)
+    if host_tiers and not on_host and (T2 in host_tiers or not kernel_stages):
+        layer._release()
+    return out
+
+
+def host_regions(layer: TieredLayer, tiers: list[int], meta: dict, on_host: bool, rows: slice = slice(None),
+                  in_place: bool = False) -> list[HostRegion]:
+    """One region per tier in ``tiers``: host buffers (``on_host``) or their device copies, scored into the host
+    or the device accumulator accordingly. ``in_place``: streamed, but T1 is read from host memory by a
+    consumer that stages it itself (the fused CPU kernel); only T2 is copied here."""
+    if on_host:
+        src = layer._host_tensors(rows)
+    elif in_place:
+        src = {**layer._host_tensors(rows, (T1,)), **(layer._staged(rows, (T2,)) if T2 in tiers else {})}
+    else:
+        src = layer._staged(rows)
+    out = []
+    for x in tiers:
+        pos, bias = meta[("host", x)] if on_host else meta[x]
+        pos, bias = pos[rows], bias[rows]
+        if x == T1:
+            out.append(HostRegion(src["k1"], src["v1"], bias, pos))
+        else:
+            out.append(HostRegion(src["k2"], src["v2"], bias, pos, src["k2s"], src["v2s"]))
+    return out
+
+
+def attend_ordered(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+    """The reference: every kept token gathered in position order, one softmax (bit-identical across HBM ratios)."""
+    st = layer.state
+    B, Hq, _, D = query.shape
+    k, v = assemble(layer)
+    H = k.shape[1]
+    sv = st.step_view()
+    out, p = ordered(query.reshape(B, H, Hq // H, D), k, v, sv["mask"], scaling)
+    if st.retier_enabled:
+        # s_i += mean over layers of mean over all query heads of the attention weight on i.
+        w = p.sum(dim=(1, 2)) * st.inv_heads_layers
+        st.scores.scatter_add_(1, sv["score_pos"], w.to(st.scores.dtype))
+    return out
+
+
+def assemble(layer: TieredLayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kept K and V of this layer in position order: two (B, H, K, D) views of the engine's work buffers."""
+    st = layer.state
+    sv = st.step_view()
+    K = sv["K"]
+    if sv["k_main"] == 0 and layer.tail_k.shape[2] == sv["cap"]:
+        return layer.tail_k[:, :, :K], layer.tail_v[:, :, :K]  # nothing to assemble
+    B, H, D = st.batch, layer.dev_k.shape[1], layer.dev_k.shape[3]
+    wk, wv = st.engine.work_buffers((B, H, sv["cap"], D), layer.dev_k.dtype)
+    fk, fv = wk.view(-1, D), wv.view(-1, D)
+    gather = sv["gather"]
+    if st.layout.tiers[T0].count:
+        src, dst = gather[T0]  # rows of the whole device buffer (T0 slots, then the tail)
+        fk.index_copy_(0, dst, layer.dev_k.reshape(-1, D).index_select(0, src))
+        fv.index_copy_(0, dst, layer.dev_v.reshape(-1, D).index_select(0, src))
+    if layer._host_tensors():
+        dv = layer._staged()
+        if "k1" in dv and st.layout.tiers[T1].count:
+            src, dst = gather[T1]
+            fk.index_copy_(0, dst, dv["k1"].reshape(-1, D).index_select(0, src))
+            fv.index_copy_(0, dst, dv["v1"].reshape(-1, D).index_select(0, src))
+        if "k2" in dv and st.layout.tiers[T2].count:
+            src, dst = gather[T2]
+            fk.index_copy_(0, dst, dequantize(dv["k2"], dv["k2s"], wk.dtype).reshape(-1, D).index_select(0, src))
+            fv.index_copy_(0, dst, dequantize(dv["v2"], dv["v2s"], wv.dtype).reshape(-1, D).index_select(0, src))
+        layer._release()
+    km = sv["k_main"]
+    wk[:, :, km:K].copy_(layer.tail_k[:, :, : sv["t"]])
+    wv[:, :, km:K].copy_(layer.tail_v[:, :, : sv["t"]])
+    return wk[:, :, :K], wv[:, :, :K]
