@@ -7,16 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvtier.config import TierConfig, budget
-from kvtier.tiers.planner import (
-    PAD,
-    T0,
-    T1,
-    T2,
-    T3,
-    assign_tiers,
-    assign_tiers_reference,
-    protected_mask,
-)
+from kvtier.tiers.planner import PAD, T0, T1, T2, T3, assign_tiers, assign_tiers_reference, protected_mask
 
 
 def _case(seed, B, N, ties):

@@ -19,15 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .records import SHARDS, RunLock, check_run_dir, open_for_append, read_records
-from .runner import (
-    EvalConfig,
-    _run_todo,
-    check_positions,
-    load_all,
-    plan_todo,
-    position_limit,
-    run_identity,
-)
+from .runner import EvalConfig, _run_todo, check_positions, load_all, plan_todo, position_limit, run_identity
 
 log = logging.getLogger(__name__)
 

@@ -25,16 +25,7 @@ import torch
 from .datasets import Problem, check_benchmark, load_problems
 from .grading import extract_answer, grade
 from .prompts import build_prompt
-from .records import (
-    RECORDS,
-    RunLock,
-    check_run_dir,
-    dedupe,
-    open_for_append,
-    problem_hash,
-    read_records,
-    stable_hash,
-)
+from .records import RECORDS, RunLock, check_run_dir, dedupe, open_for_append, problem_hash, read_records, stable_hash
 
 log = logging.getLogger(__name__)
 __all__ = ["EvalConfig", "RECORDS", "load_all", "read_records", "run_eval", "validate_policy"]

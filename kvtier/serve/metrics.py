@@ -5,11 +5,7 @@ from __future__ import annotations
 
 
 def _collector(srv):
-    from prometheus_client.core import (
-        CounterMetricFamily,
-        GaugeMetricFamily,
-        HistogramMetricFamily,
-    )
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
     class Collector:
         def collect(self):
@@ -49,11 +45,7 @@ def _collector(srv):
 
 def render_metrics(srv) -> tuple[str, str]:
     """(text, content type) of one scrape."""
-    from prometheus_client import (
-        CONTENT_TYPE_LATEST,
-        CollectorRegistry,
-        generate_latest,
-    )
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
     reg = getattr(srv, "_registry", None)
     if reg is None:
