@@ -1,0 +1,195 @@
+"""``kvtier serve`` (the OpenAI-compatible server) and ``kvtier bench-serve`` (load against one)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+import typer.core
+from rich.console import Console
+from rich.table import Table
+
+from .common import (EMBEDDED, MODEL_HELP, app, check_json_out, check_limits, console, given_policy_params, int_option,
+                     max_new_or_default, parse_params, run_command, write_json)
+
+
+@app.command()
+def serve(
+    model: str = typer.Option(EMBEDDED, help=MODEL_HELP),
+    policy: str = typer.Option("tiered", help="default cache policy (a request's kvtier.policy overrides it)"),
+    hbm_ratio: Optional[float] = typer.Option(None, help="tiered/quant: T0 fraction"),
+    evict_ratio: Optional[float] = typer.Option(None, help="tiered/evict/quant: T3 fraction"),
+    quant_ratio: Optional[float] = typer.Option(None, help="tiered: T2 fraction"),
+    budget_ratio: Optional[float] = typer.Option(None, help="eviction baselines: kept fraction"),
+    param: list[str] = typer.Option([], help="any other policy parameter, key=value (repeatable)"),
+    host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
+    port: int = typer.Option(8000),
+    served_name: Optional[str] = typer.Option(None, help="the model id clients send and /v1/models lists (default --model)"),
+    max_batch: int = typer.Option(8, help="requests decoded together in one batch"),
+    max_queue: int = typer.Option(64, help="requests that may wait for a batch; beyond it, 429 with Retry-After"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="cap on a request's max_tokens (default 4096 GPU, 512 CPU)"),
+    max_prompt_tokens: Optional[int] = typer.Option(None, help="longest prompt accepted (default: the model's positions)"),
+    request_timeout: float = typer.Option(600.0, help="seconds from arrival; a request still running ends there"),
+    reasoning: str = typer.Option("separate", help="separate: <think> text as reasoning_content (DeepSeek's API); inline"),
+    batch_wait: float = typer.Option(0.02, help="seconds the engine waits for companions after a first arrival"),
+    grace: float = typer.Option(10.0, help="on SIGTERM/SIGINT: seconds in-flight requests get to finish"),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto", help="auto (bf16 on CUDA and bf16-capable CPUs, else fp32), bf16, fp16, fp32"),
+):
+    """An OpenAI-compatible server (chat/completions, SSE streaming, /metrics) decoding with a kvtier cache."""
+
+    def go():
+        import kvtier
+
+        from ..models import resolve_device, resolve_dtype
+        from ..serve import EngineConfig, _uvicorn
+        from ..serve import serve as run_server
+        from ..serve.app import ServeSettings
+
+        _uvicorn()
+        params = {**given_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
+                                   budget_ratio=budget_ratio), **parse_params(param)}
+        cap = max_new_or_default(max_new_tokens, device)
+        check_limits(model, cap)
+        if not 1 <= port <= 65535:
+            raise ValueError(f"--port must be an integer in [1, 65535], got {port}")
+        import socket
+
+        try:  # before minutes of model loading: is the address free?
+            with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        except OSError as e:
+            raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
+        if grace < 0:
+            raise ValueError(f"--grace must be >= 0 seconds, got {grace}")
+        settings = ServeSettings(served_name=served_name or model, policy=policy, params=params, max_new_tokens=cap,
+                                 max_prompt_tokens=max_prompt_tokens, request_timeout_s=request_timeout,
+                                 reasoning=reasoning)
+        ecfg = EngineConfig(max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait)
+        resolve_dtype(dtype, resolve_device(device))
+        m, tok = kvtier.load_model(model, device=device, dtype=dtype)
+        settings.position_limit = getattr(m.config, "max_position_embeddings", None)
+        shown = ", ".join(f"{k} {v}" for k, v in params.items())
+
+        def ready(server):
+            console.print(f"kvtier serve: {settings.served_name} on http://{host}:{port}/v1 · policy {policy}"
+                          f"{f' ({shown})' if shown else ''} · batch {max_batch}, queue {max_queue}", highlight=False)
+
+        run_server(m, tok, settings, ecfg, host=host, port=port, grace_s=grace, on_ready=ready)
+        console.print("kvtier serve: stopped", highlight=False)
+
+    run_command(go)
+
+
+@app.command("bench-serve")
+def bench_serve_cmd(
+    model: str = typer.Option(EMBEDDED, help=MODEL_HELP),
+    url: Optional[str] = typer.Option(None, help="a running kvtier serve (default: start one with the flags below)"),
+    concurrency: str = typer.Option("1,8,32", help="comma-separated numbers of clients in flight"),
+    policy: str = typer.Option("full,tiered", help="comma-separated policies, each sent per request"),
+    hbm_ratio: float = typer.Option(0.3, help="tiered/quant"),
+    evict_ratio: float = typer.Option(0.03, help="tiered/evict/quant"),
+    param: list[str] = typer.Option([], help="another parameter for every policy but full, key=value (repeatable)"),
+    max_tokens: int = typer.Option(128, help="per request"),
+    requests_per_client: int = typer.Option(2),
+    max_batch: int = typer.Option(32, help="started server: --max-batch"),
+    max_queue: int = typer.Option(64, help="started server: --max-queue"),
+    json_out: Optional[Path] = typer.Option(None, "--json", help="write the rows here (a .txt table beside it)"),
+    device: str = typer.Option("auto"),
+    dtype: str = typer.Option("auto"),
+):
+    """Throughput and p50/p99 time-to-first-token / inter-token latency at several concurrencies, per policy."""
+
+    def go():
+        import os
+        import signal
+        import socket
+        import subprocess
+        import sys
+
+        from ..serve.loadgen import bench_serve
+
+        levels = [int_option("--concurrency", x) for x in concurrency.split(",") if x.strip()]
+        if not levels or min(levels) < 1:
+            raise ValueError(f"--concurrency must be comma-separated integers >= 1, got {concurrency!r}")
+        for flag, v in (("--max-tokens", max_tokens), ("--requests-per-client", requests_per_client)):
+            if v < 1:
+                raise ValueError(f"{flag} must be an integer >= 1, got {v}")
+        if json_out is not None:
+            check_json_out(json_out)
+        pols = []
+        for name in [x.strip() for x in policy.split(",") if x.strip()]:
+            from ..eval.runner import validate_policy
+
+            params = {"hbm_ratio": hbm_ratio, "evict_ratio": evict_ratio} if name in ("tiered", "quant") else (
+                {"evict_ratio": evict_ratio} if name == "evict" else {})
+            if name != "full":
+                params.update(parse_params(param))
+            validate_policy(name, params)
+            pols.append({"policy": name, **params})
+        proc = None
+        target = url
+        if target is None:
+            with socket.socket() as s_:
+                s_.bind(("127.0.0.1", 0))
+                port = s_.getsockname()[1]
+            cmd = [sys.executable, "-m", "kvtier", "serve", "--model", model, "--port", str(port), "--device", device,
+                   "--dtype", dtype, "--max-batch", str(max_batch), "--max-queue", str(max_queue),
+                   "--max-new-tokens", str(max_tokens)]
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+            target = f"http://127.0.0.1:{port}"
+            import httpx
+
+            t_end = time.monotonic() + 900
+            while True:
+                if proc.poll() is not None:
+                    raise ValueError(f"the server exited: {proc.stdout.read()[-500:]}")
+                try:
+                    if httpx.get(target + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > t_end:
+                    proc.kill()
+                    raise ValueError("the server did not come up in 900 s")
+                time.sleep(0.5)
+        target = target.rstrip("/").removesuffix("/v1")
+        import httpx
+
+        health = httpx.get(target + "/health", timeout=30).json()
+        try:
+            t0 = time.monotonic()
+            rows = bench_serve(target, levels, pols, requests_per_client, max_tokens,
+                               on_level=lambda r: console.print(
+                                   f"bench-serve: {r['concurrency']} clients, {r['policy']}: {r['tok_s']:.1f} tok/s, "
+                                   f"TTFT p50 {r['ttft_p50_s']:.2f} s · {time.monotonic() - t0:.0f} s", highlight=False))
+        finally:
+            if proc is not None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=120)
+        t = Table(title=f"kvtier bench-serve: {model}, {max_tokens} tokens max per request, {requests_per_client} "
+                        f"requests per client" + (f", server --max-batch {max_batch}" if url is None else ""))
+        for col in ("clients", "policy", "requests", "429", "tokens", "tok/s", "vs 1 client", "vs full",
+                    "TTFT p50 / p99 s", "ITL p50 / p99 ms"):
+            t.add_column(col)
+        f2 = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
+        for r in rows:
+            t.add_row(str(r["concurrency"]), r["policy"], str(r["requests"]), str(r["rejected_429"]), str(r["tokens"]),
+                      f"{r['tok_s']:.1f}", f2(r["tok_s_vs_lowest_concurrency"]), f2(r["tok_s_vs_full"]),
+                      f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}", f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f}")
+        wide = Console(width=200, record=True)
+        wide.print(t)
+        if json_out is not None:
+            import platform
+
+            cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
+                       platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
+            write_json(json_out, {"model": health.get("model", model), "device": health.get("device"), "cpu": cpu,
+                                   "dtype": health.get("dtype"), "max_tokens": max_tokens, "requests_per_client": requests_per_client,
+                              "max_batch": max_batch if url is None else None, "rows": rows})
+            json_out.with_suffix(".txt").write_text(wide.export_text())
+
+    run_command(go)
