@@ -40,7 +40,7 @@ def generate(
 
         params = {**given_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
                                    budget_ratio=budget_ratio, budget_tokens=budget_tokens), **parse_params(param)}
-        from ..eval.runner import validate_policy
+        from ..policies import validate_policy
 
         validate_policy(policy, params)
         if max_new_tokens < 1:

@@ -122,11 +122,12 @@ def bench_serve_cmd(
             check_json_out(json_out)
         pols = []
         for name in [x.strip() for x in policy.split(",") if x.strip()]:
-            from ..eval.runner import validate_policy
+            from ..policies import get_policy, validate_policy
 
-            params = {"hbm_ratio": hbm_ratio, "evict_ratio": evict_ratio} if name in ("tiered", "quant") else (
-                {"evict_ratio": evict_ratio} if name == "evict" else {})
-            if name != "full":
+            # the shared ratios each policy takes; --param only where the policy has parameters to set
+            cls = get_policy(name)
+            params = cls.accepted(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio)
+            if cls.family != "reference":
                 params.update(parse_params(param))
             validate_policy(name, params)
             pols.append({"policy": name, **params})

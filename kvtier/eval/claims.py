@@ -13,10 +13,10 @@ from collections import defaultdict
 from pathlib import Path
 
 from .records import dedupe
-from .report import _params
+from ..policies import equal_memory_baselines
+from .configs import full_params
 from .stats import cochran_q, mcnemar_exact, wilson
 
-BASELINES = ("h2o", "rkv", "snapkv_decode", "streaming_llm")
 MIN_FULL_ACCURACY = 0.10  # below this, retention is a ratio of two small noisy numbers
 TOO_WEAK = ("not testable here", f"full accuracy below {100 * MIN_FULL_ACCURACY:.0f}%")  # verdict, rule
 
@@ -36,7 +36,7 @@ def _find(by: dict[str, list[dict]], bench: str, policy: str, **want) -> list[di
         r0 = recs[0]
         if r0["benchmark"] != bench or r0["policy"] != policy:
             continue
-        p = _params(r0)
+        p = full_params(r0)
         if all(_same(p.get(k), v) for k, v in want.items()):
             hits.append(recs)
     return max(hits, key=len) if hits else None
@@ -178,8 +178,8 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
 
     # Baselines at equal device memory (prompt unprotected)
     tu = _find(by, gsm, "tiered", evict_ratio=0.03, hbm_ratio=0.3, protect_prompt=False)
-    base = {b: _find(by, gsm, b, budget_ratio=0.3) for b in BASELINES}
-    base = {b: v for b, v in base.items() if v and _params(v[0]).get("budget_tokens") is None}
+    base = {b: _find(by, gsm, b, budget_ratio=0.3) for b in equal_memory_baselines()}
+    base = {b: v for b, v in base.items() if v and full_params(v[0]).get("budget_tokens") is None}
     if tu and base:
         ps = {b: paired(v, tu) for b, v in base.items()}
         wins = all(p["b"]["accuracy"] > p["a"]["accuracy"] and p["mcnemar_p"] < 0.05 for p in ps.values())

@@ -12,6 +12,9 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .grading import extract_boxed
+from .specs import DataError, base_benchmark, split_benchmark
+
 BENCHMARKS = ("gsm8k", "math500", "math_level5", "arc_challenge")
 HUB = {
     "gsm8k": ("openai/gsm8k", "main", "test"),
@@ -22,10 +25,6 @@ HUB = {
 
 MATH_SUBJECTS = ["algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
                  "prealgebra", "precalculus"]
-
-
-class DataError(ValueError):
-    """A benchmark could not be read; the message says what to pass instead."""
 
 
 class ProblemSet(list):
@@ -41,23 +40,6 @@ class Problem:
     question: str
     gold: str
     choices: list[str] = field(default_factory=list)  # ARC: texts in order, labelled A, B, C, ... by position
-
-
-def split_benchmark(name: str) -> tuple[str, int | None]:
-    """``math500?shuffle=7`` -> ("math500", 7): a file benchmark and the seed of a fixed permutation of its
-    problems (``limit`` then takes a seeded random subset); ``rg:`` specs keep their own options."""
-    if name.startswith("rg:") or "?" not in name:
-        return name, None
-    base, _, query = name.partition("?")
-    k, eq, v = query.partition("=")
-    if k != "shuffle" or not eq or not v.lstrip("-").isdigit():
-        raise DataError(f"benchmark {name!r}: the only option of a file benchmark is ?shuffle=<integer seed>")
-    return base, int(v)
-
-
-def base_benchmark(name: str) -> str:
-    """The benchmark whose prompt and grader a spec uses (``math500?shuffle=0`` -> ``math500``)."""
-    return name if name.startswith("rg:") else name.partition("?")[0]
 
 
 def check_benchmark(name: str) -> None:
@@ -108,8 +90,6 @@ def _one(name: str, i: int, r: dict) -> Problem:
     if name == "math500":
         return Problem(str(r["unique_id"]), str(r["problem"]), str(r["answer"]))
     if name == "math_level5":
-        from .grading import extract_boxed
-
         gold = r.get("answer") or extract_boxed(str(r.get("solution", ""))) or ""
         return Problem(f"math5-{r.get('idx', i)}", str(r["problem"]), str(gold))
     if name == "arc_challenge":
@@ -158,8 +138,6 @@ def _from_hub(name: str) -> list[dict]:
     except Exception as e:  # offline, gated, renamed ...
         raise DataError(f"cannot read {repo} from the hub ({type(e).__name__}); pass --data-dir DIR holding {name}/test.jsonl") from None
     if name == "math_level5":
-        from .grading import extract_boxed
-
         rows = [dict(r, answer=extract_boxed(r["solution"]), idx=i) for i, r in enumerate(rows) if r.get("level") == "Level 5"]
     return rows
 

@@ -8,7 +8,7 @@ from typing import Callable
 
 from ..models import EMBEDDED_NAME
 from .records import dedupe
-from .report import device_kv_bytes
+from .configs import device_kv_bytes
 from .runner import EvalConfig, read_records, run_eval
 
 # Chosen by benchmarks/demo_task_search.py (results/demo_search_2026-12-01): the task the embedded model solves

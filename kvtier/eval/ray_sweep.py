@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from .records import SHARDS, RunLock, check_run_dir, open_for_append, read_records
-from .runner import EvalConfig, _run_todo, check_positions, load_all, plan_todo, position_limit, run_identity
+from .runner import EvalConfig, run_todo, check_positions, load_all, plan_todo, position_limit, run_identity
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +87,7 @@ class SweepWorker:
         _, todo, sets = plan_todo(cfgs, self.problems(cfgs), identity, mine + read_records(out, skip=path))
         want = set(ids)
         todo = [t for t in todo if (t[2].id, t[3]) in want]
-        return _run_todo(self.model, self.tok, todo, path, batch_size, identity, sets, None)
+        return run_todo(self.model, self.tok, todo, path, batch_size, identity, sets, None)
 
 
 @dataclass

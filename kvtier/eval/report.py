@@ -8,99 +8,11 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from .claims import write_claims
+from .configs import (comparison, comparison_base, device_kv_bytes, device_tokens, differing_fields, eviction_ratio,
+                      family, full_params, settings)
 from .records import dedupe, read_records
 from .stats import cochran_q, mcnemar_exact, wilson
-
-_GEN_KEYS = ("benchmark", "model", "max_new_tokens", "temperature", "top_p", "seed")
-_IDENTITY_KEYS = ("model_fingerprint", "dtype", "device")
-
-
-def device_tokens(r: dict) -> float:
-    """Device KV tokens of one sequence at its batch's peak (``peak_device_tokens`` / batch size); records written
-    before the peak was recorded give the end state (T0)."""
-    peak = r.get("peak_device_tokens")
-    if peak is not None and r.get("batch_size"):
-        return peak / r["batch_size"]
-    return r["tier_tokens"]["T0"]
-
-
-def device_kv_bytes(r: dict) -> float:
-    """Device KV bytes of one sequence at its batch's peak: :func:`device_tokens` x the model's KV bytes per token
-    (from the record's own tier bytes). Compares policies by what they keep resident, not by how each cache
-    sizes its buffers."""
-    t = r["tier_tokens"]["T0"]
-    return device_tokens(r) * (r["tier_bytes"]["T0"] / t if t else 0.0)
-
-
-def _base(r: dict) -> tuple:
-    """What a configuration is compared within: benchmark, model (and weights, dtype, device), generation."""
-    ki = r.get("key_inputs") or {}
-    return tuple(r.get(k) for k in _GEN_KEYS) + tuple(json.dumps(ki.get(k)) for k in _IDENTITY_KEYS)
-
-
-def _params(r: dict) -> dict:
-    """The configuration's parameters with defaults filled in (older records: as given, defaults added here)."""
-    ki = r.get("key_inputs") or {}
-    if isinstance(ki.get("params"), dict):
-        return ki["params"]
-    try:
-        from ..policies import get_policy
-
-        return {**get_policy(r["policy"]).params(), **(r.get("params") or {})}
-    except (ValueError, KeyError):
-        return dict(r.get("params") or {})
-
-
-def differing_fields(records: list[dict]) -> dict[str, list]:
-    """Key inputs that differ between configurations of one report (what sets the rows apart)."""
-    values: dict[str, set] = defaultdict(set)
-    for r in records:
-        for k, v in (r.get("key_inputs") or {}).items():
-            if k != "params":
-                values[k].add(json.dumps(v, sort_keys=True))
-    return {k: sorted(json.loads(v) for v in vs) for k, vs in values.items() if len(vs) > 1}
-
-
-def eviction_ratio(policy: str, params: dict) -> float | None:
-    """The configured eviction ratio of a policy (1 - budget for the equal-eviction baselines and for equal
-    memory without a floor; None for floored equal-memory and absolute budgets, which are not set by a ratio)."""
-    if policy == "full":
-        return 0.0
-    if "evict_ratio" in params:
-        return float(params["evict_ratio"])
-    if params.get("budget_floor") is not None:
-        return None
-    if "budget_ratio" in params and params["budget_ratio"] is not None:
-        return round(1.0 - float(params["budget_ratio"]), 6)
-    return None
-
-
-def comparison(policy: str, params: dict, given: dict | None = None) -> str:
-    """Which comparison a configuration belongs to (how its budget was set). ``given``: the parameters as the
-    run set them; the sweep's equal-memory points name ``budget_floor`` even where it is None (the hierarchy's
-    prompt unprotected: then the same budget as equal eviction at 1 - hbm, labelled by what it was run for)."""
-    if policy == "full":
-        return "reference"
-    if policy in ("tiered", "evict", "quant"):
-        return "hierarchy" if policy == "tiered" else "ablation"
-    if params.get("budget_floor") is not None or ("budget_floor" in (given or {}) and params.get("budget_ratio") is not None):
-        return f"equal memory (hbm {params.get('budget_ratio')})"
-    if params.get("budget_tokens") is not None:
-        return f"fixed budget ({params['budget_tokens']} tokens)"
-    if params.get("budget_ratio") is not None:
-        return f"equal eviction ({round(1.0 - float(params['budget_ratio']), 6)})"
-    return "–"
-
-
-_SHOWN = ("hbm_ratio", "evict_ratio", "budget_ratio", "budget_floor", "budget_tokens")  # columns of their own
-
-
-def settings(given: dict) -> str:
-    """The parameters a configuration set beyond the ratio and budget columns (``protect_prompt=False``,
-    ``attention=ordered``, ...): what tells two rows with the same ratios apart."""
-    return ", ".join(f"{k}={v}" for k, v in sorted(given.items())
-                     if k not in _SHOWN and v is not None and not (k == "quant_ratio" and v == 0))
-
 
 def summarize(records: list[dict]) -> dict:
     """Per-configuration accuracy, intervals, retention, memory and paired tests against ``full``."""
@@ -111,11 +23,11 @@ def summarize(records: list[dict]) -> dict:
     rows = []
     full_of: dict[tuple, str] = {}
     for key, recs in by_cfg.items():
-        if recs[0]["policy"] == "full":
-            full_of[_base(recs[0])] = key
+        if family(recs[0]["policy"]) == "reference":
+            full_of[comparison_base(recs[0])] = key
     for key, recs in by_cfg.items():
         r0 = recs[0]
-        params = _params(r0)
+        params = full_params(r0)
         n = len(recs)
         k = sum(bool(r.get("correct")) for r in recs)
         lo, hi = wilson(k, n)
@@ -144,7 +56,7 @@ def summarize(records: list[dict]) -> dict:
             "mean_evicted_fraction": sum(r["tier_tokens"]["T3"] / max(1, sum(r["tier_tokens"].values())) for r in recs) / n,
             "seconds": sum(r["seconds"] for r in recs),
         }
-        fk = full_of.get(_base(r0))
+        fk = full_of.get(comparison_base(r0))
         if fk is not None:
             full = {(r["id"], r["sample"]): r for r in by_cfg[fk]}
             pairs = [(full[(r["id"], r["sample"])], r) for r in recs if (r["id"], r["sample"]) in full]
@@ -162,7 +74,7 @@ def summarize(records: list[dict]) -> dict:
                                        / max(1, sum(device_kv_bytes(a) for a, _ in pairs))),
                 )
         rows.append(row)
-    rows.sort(key=lambda x: (x["benchmark"], x["policy"] != "full", x["policy"], x["evict_ratio"] or 0, x["hbm_ratio"] or 0))
+    rows.sort(key=lambda x: (x["benchmark"], family(x["policy"]) != "reference", x["policy"], x["evict_ratio"] or 0, x["hbm_ratio"] or 0))
     return {"configs": rows, "hbm_independence": hbm_independence(by_cfg), "differing": differing_fields(records)}
 
 
@@ -171,11 +83,11 @@ def hbm_independence(by_cfg: dict[str, list[dict]]) -> list[dict]:
     groups: dict[tuple, dict[float, list[dict]]] = defaultdict(dict)
     for recs in by_cfg.values():
         r0 = recs[0]
-        params = _params(r0)
-        if r0["policy"] != "tiered" or params.get("hbm_ratio") is None:
+        params = full_params(r0)
+        if family(r0["policy"]) != "hierarchy" or params.get("hbm_ratio") is None:
             continue
         rest = tuple(sorted((k, json.dumps(v)) for k, v in params.items() if k != "hbm_ratio"))
-        groups[(_base(r0), rest)][params["hbm_ratio"]] = recs
+        groups[(comparison_base(r0), rest)][params["hbm_ratio"]] = recs
     out = []
     for (base, rest), by_h in groups.items():
         if len(by_h) < 2:
@@ -249,8 +161,6 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, html: b
     paths["md"].write_text("\n".join(lines) + "\n")
     paths.update(plot_all(rows, out))
     if claims:
-        from .claims import write_claims
-
         paths.update(write_claims(records, out, model=rows[0]["key_inputs"].get("model", "") if rows[0].get("key_inputs") else ""))
     if html:
         from .report_html import write_html_report
@@ -280,11 +190,11 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
                 continue
             xs, ys = [p[0] for p in pts], [100 * p[1] for p in pts]
             err = [[max(0.0, 100 * (p[1] - p[2])) for p in pts], [max(0.0, 100 * (p[3] - p[1])) for p in pts]]
-            if pol == "full":
+            if family(pol) == "reference":
                 style = dict(marker="*", markersize=14, linestyle="none", color="black")
             else:  # open markers and dashes keep policies that coincide (tiered = evict) visible
                 style = dict(marker=markers[i % len(markers)], markersize=7, fillstyle="none",
-                             linestyle=("--" if pol == "tiered" else "-"), capsize=3, alpha=0.9)
+                             linestyle=("--" if family(pol) == "hierarchy" else "-"), capsize=3, alpha=0.9)
             label = pol if h_min is None else f"{pol} (hbm {h_min})"
             ax.errorbar([x + 0.004 * (i - 3) for x in xs], ys, yerr=err, label=label, **style)
         ax.set(xlabel="eviction ratio (fraction of tokens destroyed)", ylabel="accuracy (%), 95% Wilson interval",
@@ -293,7 +203,7 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
         ax.legend()
         paths[f"{bench}_eviction"] = _save(fig, out / f"{_safe(bench)}_accuracy_vs_eviction.png")
         # 2. tiered HBM x eviction heatmap
-        tr = [r for r in br if r["policy"] == "tiered" and r["hbm_ratio"] is not None and r["evict_ratio"] is not None]
+        tr = [r for r in br if family(r["policy"]) == "hierarchy" and r["hbm_ratio"] is not None and r["evict_ratio"] is not None]
         if tr:
             hs = sorted({r["hbm_ratio"] for r in tr})
             es = sorted({r["evict_ratio"] for r in tr})
@@ -318,7 +228,7 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
             xs = [100 * r["device_kv_vs_full"] if rel else r["mean_device_kv_bytes"] / 2**20 for r in pr]
             ys = [100 * r["accuracy"] for r in pr]
             err = [[max(0.0, 100 * (r["accuracy"] - r["ci_low"])) for r in pr], [max(0.0, 100 * (r["ci_high"] - r["accuracy"])) for r in pr]]
-            style = dict(marker="*", markersize=14, color="black") if pol == "full" else dict(marker=markers[i % len(markers)], markersize=7)
+            style = dict(marker="*", markersize=14, color="black") if family(pol) == "reference" else dict(marker=markers[i % len(markers)], markersize=7)
             ax.errorbar(xs, ys, yerr=err, linestyle="none", capsize=2, alpha=0.85, label=pol, **style)
             for x, y, r in zip(xs, ys, pr):
                 tag = _short(r)
@@ -339,7 +249,7 @@ def _short(r: dict) -> str:
         return f"m{r['params'].get('budget_ratio')}"
     if c.startswith("fixed budget"):
         return f"t{r['params'].get('budget_tokens')}"
-    if r["policy"] == "full":
+    if family(r["policy"]) == "reference":
         return ""
     if r["evict_ratio"] is not None:
         return f"e{r['evict_ratio']:g}" + (f"/h{r['hbm_ratio']:g}" if r.get("hbm_ratio") is not None else "")

@@ -22,6 +22,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..policies import validate_policy
 from .datasets import Problem, check_benchmark, load_problems
 from .grading import extract_answer, grade
 from .prompts import build_prompt
@@ -32,20 +33,6 @@ __all__ = ["EvalConfig", "RECORDS", "load_all", "read_records", "run_eval", "val
 
 
 SAMPLER = "row-seeded-v1"  # kvtier.eval.sampling.RowSampler: temperature, top-p, one generator per row
-
-
-def validate_policy(policy: str, params: dict) -> dict:
-    """Names *and* values of a policy's parameters, checked without a model (a throwaway one-layer cache);
-    returns the parameters with every default filled in."""
-    from ..policies import get_policy
-
-    cls = get_policy(policy)
-    cls.check_params(params)
-    try:
-        cls.build(1, **params)
-    except TypeError as e:  # a value of the wrong kind that the policy's checks did not name
-        raise ValueError(f"bad parameter for policy {policy!r}: {e}") from None
-    return {**cls.params(), **params}
 
 
 # Parameters that choose how a policy computes, not what: float rounding at most. At their default they stay out
@@ -226,7 +213,7 @@ def run_eval(
         check_positions(cfgs, problems, tok, position_limit(model))
         identity = run_identity(cfgs[0].model, model)
         keys, todo, sets = plan_todo(cfgs, problems, identity, existing)
-        _run_todo(model, tok, todo, path, batch_size, identity, sets, on_progress)
+        run_todo(model, tok, todo, path, batch_size, identity, sets, on_progress)
     return keys
 
 
@@ -246,7 +233,7 @@ def plan_todo(cfgs: list[EvalConfig], problems: dict[str, list[Problem]], identi
     return keys, todo, sets
 
 
-def _run_todo(model, tok, todo, path: Path, batch_size: int, identity: dict, sets: dict, on_progress) -> dict:
+def run_todo(model, tok, todo, path: Path, batch_size: int, identity: dict, sets: dict, on_progress) -> dict:
     """Generate ``todo`` in batches, appending each batch's records to ``path``; returns the progress counts."""
     total = len(todo)
     progress = {"done": 0, "total": total, "tokens": 0, "seconds": 0.0}

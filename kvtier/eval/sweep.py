@@ -1,9 +1,12 @@
 """Grid expansion for ``kvtier sweep``: policies x ratios -> evaluation configurations.
 
+Each policy turns the shared axes into its own points (``Policy.grid``); the built-in ones:
+
 - ``full`` runs once;
 - ``tiered``: every hbm ratio x every eviction ratio (``quant_ratio`` fixed);
 - ``evict``: every eviction ratio; ``quant``: every hbm ratio x eviction ratio;
-- eviction baselines (``h2o``, ``rkv``, ``snapkv_decode``, ``streaming_llm``, ``snapkv``), by ``compare``:
+- eviction baselines (family ``baseline``: ``h2o``, ``rkv``, ``snapkv_decode``, ``streaming_llm``, ``snapkv``), by
+  ``compare``:
 
   - ``equal-eviction``: ``budget_ratio = 1 - eviction ratio`` (the same share of tokens destroyed);
   - ``equal-memory``: for every hbm ratio h, ``budget_ratio = h, budget_floor = tiered's recent_window`` — the
@@ -19,11 +22,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..policies import get_policy
+from ..policies import COMPARISONS, POLICIES, GridAxes, get_policy, of_family
 from .runner import EvalConfig
 
-COMPARISONS = ("equal-eviction", "equal-memory")
-HIERARCHY = ("full", "tiered", "evict", "quant")
 
 
 def parse_compare(value) -> tuple[str, ...]:
@@ -62,40 +63,23 @@ def expand_grid(model: str, benchmarks: list[str], policies: list[str], evict_ra
                 raise ValueError(f"{flag} values must be numbers in [0, 1], got {x!r}")
     if not benchmarks or not policies:
         raise ValueError("a sweep needs at least one --benchmark and one --policy")
+    for pol in policies:
+        get_policy(pol)
     for k in budget_tokens:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"--budget-tokens must be integers >= 1, got {k!r}")
+    hierarchy = [POLICIES[n] for n in of_family("hierarchy")]
+    # equal memory floors a baseline at the device tokens the hierarchy keeps whatever its ratios
+    floor = hierarchy[0].memory_floor(policy_params.get(hierarchy[0].name, {})) if hierarchy else None
+    axes = GridAxes(evict_ratios=tuple(evict_ratios), hbm_ratios=tuple(hbm_ratios), quant_ratio=quant_ratio,
+                    compare=compare, budget_tokens=tuple(budget_tokens), memory_floor=floor)
     cfgs = []
-    for pol in policies:
-        get_policy(pol)
-    tiered_params = {**get_policy("tiered").params(), **policy_params.get("tiered", {})}
-    # the hierarchy's protected set is the prompt + its recent window (sinks lie inside the prompt)
-    floor = int(tiered_params["recent_window"]) if tiered_params.get("protect_prompt", True) else None
     for bench in benchmarks:
         for pol in policies:
             extra = dict(policy_params.get(pol, {}))
-            grid: list[dict] = []
-            if pol == "full":
-                grid = [{}]
-            elif pol == "tiered":
-                grid = [dict(hbm_ratio=h, evict_ratio=e, quant_ratio=quant_ratio) for e in evict_ratios for h in hbm_ratios
-                        if h + e + quant_ratio <= 1 + 1e-9]
-                if skipped is not None:
-                    skipped += [f"{pol} hbm {h} + evict {e} + quant {quant_ratio}" for e in evict_ratios for h in hbm_ratios
-                                if h + e + quant_ratio > 1 + 1e-9]
-            elif pol == "evict":
-                grid = [dict(evict_ratio=e) for e in evict_ratios]
-            elif pol == "quant":
-                grid = [dict(hbm_ratio=h, evict_ratio=e) for e in evict_ratios for h in hbm_ratios if h + e <= 1 + 1e-9]
-                if skipped is not None:
-                    skipped += [f"{pol} hbm {h} + evict {e}" for e in evict_ratios for h in hbm_ratios if h + e > 1 + 1e-9]
-            else:
-                grid = []
-                if "equal-eviction" in compare:
-                    grid += [dict(budget_ratio=round(1.0 - e, 6)) for e in evict_ratios if e < 1]
-                if "equal-memory" in compare and pol != "snapkv":
-                    grid += [dict(budget_ratio=h, budget_floor=floor) for h in hbm_ratios if h > 0]
-                grid += [dict(budget_tokens=k) for k in budget_tokens]
+            grid, left_out = get_policy(pol).grid(axes)
+            if skipped is not None:
+                skipped += left_out
             if not grid:
                 raise ValueError(f"policy {pol!r} has no grid point: every ratio combination is out of range "
                                  "(eviction 1 leaves nothing for the baselines; tiered needs hbm + evict + quant <= 1)")

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 from ..cache import KVTierCache
 from ..config import TierConfig
-from .base import Policy
+from .base import GridAxes, Policy
 
 
 class EvictPolicy(Policy):
     name = "evict"
     description = "cumulative-attention eviction only (kept tokens all on the device)"
+    family = "ablation"
+
+    @classmethod
+    def grid(cls, axes: GridAxes) -> tuple[list[dict], list[str]]:
+        return [dict(evict_ratio=e) for e in axes.evict_ratios], []
 
     @classmethod
     def build(

@@ -11,12 +11,21 @@ from __future__ import annotations
 
 from ..cache import KVTierCache
 from ..config import TierConfig
-from .base import Policy
+from .base import GridAxes, Policy
 
 
 class FullPolicy(Policy):
     name = "full"
     description = "keep everything on the device (reference)"
+    family = "reference"
+
+    @classmethod
+    def grid(cls, axes: GridAxes) -> tuple[list[dict], list[str]]:
+        return [{}], []  # nothing to vary: it runs once
+
+    @classmethod
+    def eviction_ratio(cls, params: dict) -> float:
+        return 0.0
 
     @classmethod
     def build(cls, num_layers: int, attention: str = "split", kernel: str = "auto") -> KVTierCache:

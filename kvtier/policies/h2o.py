@@ -26,7 +26,7 @@ import torch
 
 from ..cache.base import check_number
 from ..cache.headwise import EvictionBudget, HeadwiseCache, Scorer
-from .base import Policy
+from .base import EvictionBaseline
 
 _PREFILL_CHUNK = 256  # queries per chunk when summing the prompt's attention columns
 
@@ -72,7 +72,7 @@ class H2OScorer(Scorer):
         return layer.slots["acc"][:, :, : layer.S]
 
 
-class H2OPolicy(Policy):
+class H2OPolicy(EvictionBaseline):
     name = "h2o"
     description = "heavy hitters + recent window, per kv-head (Zhang et al. 2023)"
 

@@ -9,12 +9,19 @@ from __future__ import annotations
 
 from ..cache import KVTierCache
 from ..config import TierConfig
-from .base import Policy
+from .base import GridAxes, Policy, fits
 
 
 class QuantPolicy(Policy):
     name = "quant"
     description = "kept tokens outside T0 stored as int8 instead of T1"
+    family = "ablation"
+
+    @classmethod
+    def grid(cls, axes: GridAxes) -> tuple[list[dict], list[str]]:
+        pairs = [(h, e) for e in axes.evict_ratios for h in axes.hbm_ratios]
+        return ([dict(hbm_ratio=h, evict_ratio=e) for h, e in pairs if fits(h, e)],
+                [f"{cls.name} hbm {h} + evict {e}" for h, e in pairs if not fits(h, e)])
 
     @classmethod
     def build(

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..cache.base import check_number
 from ..cache.headwise import EvictionBudget, HeadwiseCache, Scorer
-from .base import Policy
+from .base import EvictionBaseline
 
 LAMBDAS = {"code": 0.07, "paper": 0.1}
 
@@ -124,7 +124,7 @@ def check_schedule(policy: str, window, buffer, kernel_size) -> None:
         raise ValueError(f"kernel_size must be odd for policy {policy!r} (same padding), got {kernel_size}")
 
 
-class RKVPolicy(Policy):
+class RKVPolicy(EvictionBaseline):
     name = "rkv"
     description = "importance minus redundancy, per kv-head (Cai et al. 2025; the authors' code)"
 

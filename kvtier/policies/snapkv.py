@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from ..cache.base import check_number
 from ..cache.headwise import EvictionBudget, HeadwiseCache, Scorer
-from .base import Policy
+from .base import EvictionBaseline
 
 
 def snapkv_scores(q_win: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float, kernel_size: int,
@@ -72,9 +72,11 @@ class SnapKVScorer(Scorer):
                              self.kernel_size, self.pooling)
 
 
-class SnapKVPolicy(Policy):
+class SnapKVPolicy(EvictionBaseline):
     name = "snapkv"
     description = "prompt-only compression by the last prompt queries' votes (Li et al. 2024)"
+
+    equal_memory = False  # its budget covers the prompt only: it does not bound the device tokens
 
     @classmethod
     def build(

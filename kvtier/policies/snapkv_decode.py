@@ -14,11 +14,11 @@ For the original prompt-only SnapKV (Li et al. 2024) use ``snapkv``.
 from __future__ import annotations
 
 from ..cache.headwise import EvictionBudget, HeadwiseCache
-from .base import Policy
+from .base import EvictionBaseline
 from .rkv import RKVScorer, check_schedule
 
 
-class SnapKVDecodePolicy(Policy):
+class SnapKVDecodePolicy(EvictionBaseline):
     name = "snapkv_decode"
     description = "SnapKV's selection during decoding, every `buffer` steps (the R-KV paper's SnapKV row)"
 

@@ -20,7 +20,7 @@ import torch
 
 from ..cache.base import check_number
 from ..cache.headwise import EvictionBudget, HeadwiseCache, Scorer
-from .base import Policy
+from .base import EvictionBaseline
 
 
 class SinkRecentScorer(Scorer):
@@ -36,7 +36,7 @@ class SinkRecentScorer(Scorer):
         return layer.pos[:, :, : layer.S].float()  # newer first
 
 
-class StreamingLLMPolicy(Policy):
+class StreamingLLMPolicy(EvictionBaseline):
     name = "streaming_llm"
     description = "attention sinks + recent window (Xiao et al. 2023)"
 

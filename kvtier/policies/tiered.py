@@ -23,12 +23,28 @@ from __future__ import annotations
 
 from ..cache import KVTierCache
 from ..config import TierConfig
-from .base import Policy
+from .base import GridAxes, Policy, fits
 
 
 class TieredPolicy(Policy):
     name = "tiered"
     description = "T0 device / T1 host / T2 int8 host / T3 evicted, by cumulative attention"
+    family = "hierarchy"
+
+    @classmethod
+    def grid(cls, axes: GridAxes) -> tuple[list[dict], list[str]]:
+        """Every hbm ratio x every eviction ratio at the sweep's quant ratio, where the three fit."""
+        q = axes.quant_ratio
+        pairs = [(h, e) for e in axes.evict_ratios for h in axes.hbm_ratios]
+        return ([dict(hbm_ratio=h, evict_ratio=e, quant_ratio=q) for h, e in pairs if fits(h, e, q)],
+                [f"{cls.name} hbm {h} + evict {e} + quant {q}" for h, e in pairs if not fits(h, e, q)])
+
+    @classmethod
+    def memory_floor(cls, params: dict) -> int | None:
+        """The device tokens kept on top of the prompt whatever the ratios (its recent window; sinks lie inside
+        the prompt), or None when the prompt is not protected: what an equal-memory baseline is floored at."""
+        p = {**cls.params(), **params}
+        return int(p["recent_window"]) if p.get("protect_prompt", True) else None
 
     @classmethod
     def build(

@@ -41,7 +41,7 @@ class ServeSettings:
     retry_after_s: int = 1
 
     def __post_init__(self) -> None:
-        from ..eval.runner import validate_policy
+        from ..policies import validate_policy
 
         self.full_params = validate_policy(self.policy, self.params)
         for name in ("max_new_tokens", "retry_after_s"):
@@ -124,7 +124,7 @@ class Server:
     def cache_settings(self, block: dict | None) -> tuple[str, dict]:
         """The request's policy and parameters: the server's defaults, or the ``kvtier`` block's. Naming a policy
         starts from that policy's defaults; without one the block overrides the server's parameters."""
-        from ..eval.runner import validate_policy
+        from ..policies import validate_policy
         from ..policies import POLICIES
 
         if block is None:
