@@ -111,8 +111,10 @@ def ordered(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: softmax over every kept key gathered in position order.
 
+    Also the one dense decode softmax of the head-wise eviction caches, whose kept keys differ per kv-head.
+
     Args:
-        qg: (B, H, g, D); k, v: (B, H, K, D) in position order; mask: (B, 1, 1, K) bool.
+        qg: (B, H, g, D); k, v: (B, H, K, D) in position order; mask: (B, 1, 1, K) or per kv-head (B, H, 1, K) bool.
     Returns:
         output (B, H, g, D) in ``v``'s dtype and the weights (B, H, g, K) float32.
     """
@@ -122,4 +124,31 @@ def ordered(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return torch.matmul(p.to(v.dtype), v), p
 
 
-__all__ = ["EMPTY", "Partial", "add_weights", "mask_bias", "combine", "merge", "ordered", "partial", "weights"]
+def causal_weight_sums(query: torch.Tensor, k: torch.Tensor, key_valid: torch.Tensor, query_valid: torch.Tensor,
+                       scaling: float, chunk: int = 256) -> torch.Tensor:
+    """The prompt's causal attention weights summed over every real query and every query head of a kv group:
+    (B, H, S) float32 (H2O's accumulated attention after prefill). Chunks of ``chunk`` queries bound the memory.
+
+    Args:
+        query: (B, Hq, q, D) the prompt's queries, position c attending keys 0..c; k: (B, H, S, D);
+        key_valid: (B, S) bool (padding columns get no attention); query_valid: (B, q) bool (padding queries do
+        not vote; a padding query that sees no key contributes 0, not NaN).
+    """
+    B, Hq, q, D = query.shape
+    H, S = k.shape[1], k.shape[2]
+    g = Hq // H
+    acc = torch.zeros(B, H, S, dtype=torch.float32, device=k.device)
+    for c in range(0, q, chunk):
+        qc = query[:, :, c : c + chunk]
+        n = qc.shape[2]
+        s = torch.matmul(qc.reshape(B, H, g * n, D), k.transpose(-1, -2)).view(B, H, g, n, -1) * scaling
+        causal = torch.arange(S, device=k.device).view(1, -1) <= torch.arange(c, c + n, device=k.device).view(-1, 1)
+        mask = causal.view(1, 1, 1, n, -1) & key_valid.view(B, 1, 1, 1, -1)
+        p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
+        p = torch.nan_to_num(p)
+        acc += (p * query_valid[:, c : c + n].view(B, 1, 1, n, 1)).sum(dim=(2, 3))
+    return acc
+
+
+__all__ = ["EMPTY", "Partial", "add_weights", "causal_weight_sums", "mask_bias", "combine", "merge", "ordered",
+           "partial", "weights"]

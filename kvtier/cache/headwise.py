@@ -16,54 +16,14 @@ is never kept over a real token: invalid slots rank last.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..config import budget as floor_budget
+from ..attention.merge import ordered
+from ..config import EvictionBudget  # noqa: F401 (its documented home was here)
 from .base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
-
-
-@dataclass(frozen=True)
-class EvictionBudget:
-    """How many tokens a row may keep: ``budget_ratio`` of its logical length, or ``budget_tokens``.
-
-    ``budget_floor`` (equal-memory comparisons): when set, a row's budget is at least its prompt plus its
-    ``budget_floor`` newest generated tokens. The tiered planner keeps ``max(|protected|, floor(hbm_ratio * N))``
-    tokens in T0 with protected = prompt + sinks + the last ``recent_window`` tokens, so
-    ``budget_ratio=hbm_ratio, budget_floor=recent_window`` gives a baseline exactly that many device tokens.
-    """
-
-    budget_ratio: float | None = None
-    budget_tokens: int | None = None
-    budget_floor: int | None = None
-
-    def __post_init__(self) -> None:
-        if (self.budget_ratio is None) == (self.budget_tokens is None):
-            raise ValueError("give exactly one of budget_ratio (in (0, 1]) or budget_tokens (an integer >= 1)")
-        if self.budget_ratio is not None:
-            r = self.budget_ratio
-            if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < r <= 1.0):
-                raise ValueError(f"budget_ratio must be a number in (0, 1], got {r!r}")
-        if self.budget_tokens is not None:
-            t = self.budget_tokens
-            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
-                raise ValueError(f"budget_tokens must be an integer >= 1, got {t!r}")
-        f = self.budget_floor
-        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 0):
-            raise ValueError(f"budget_floor must be None or an integer >= 0 (generated tokens on top of the prompt), got {f!r}")
-
-    def per_row(self, n_real: torch.Tensor, n_prompt: torch.Tensor | None = None) -> torch.Tensor:
-        """(B,) long budgets for rows of (B,) real lengths (``n_prompt`` (B,): real prompt lengths, for the floor)."""
-        if self.budget_tokens is not None:
-            b = torch.clamp(n_real, max=self.budget_tokens)
-        else:
-            b = torch.tensor([max(1, floor_budget(self.budget_ratio, int(n))) for n in n_real.tolist()], dtype=torch.long)
-        if self.budget_floor is not None and n_prompt is not None:
-            b = torch.maximum(b, n_prompt + torch.clamp(n_real - n_prompt, max=self.budget_floor))
-        return b
 
 
 class Scorer:
@@ -314,11 +274,9 @@ class HeadwiseLayer(KVTierLayer):
             st.scorer.after_prefill(self, query, scaling)
         else:
             H = k.shape[1]
-            g = Hq // H
-            s = torch.matmul(query.reshape(B, H, g, D), k.transpose(-1, -2)) * scaling  # (B, H, g, S)
-            s = s.masked_fill(~self.slot_valid().unsqueeze(2), float("-inf"))
-            p = torch.softmax(s, dim=-1, dtype=torch.float32)
-            out = torch.matmul(p.to(v.dtype), v).reshape(B, Hq, 1, D)
+            # one softmax over this kv-head's kept slots; p (B, H, g, S) float32 feeds the scorer
+            out, p = ordered(query.reshape(B, H, Hq // H, D), k, v, self.slot_valid().unsqueeze(2), scaling)
+            out = out.reshape(B, Hq, 1, D)
             st.scorer.after_decode(self, query, p, scaling)
         # Every row gained its q new real tokens (the prompt: its real length), and compression keeps exactly
         # min(kept, budget) per row, so the counts follow by arithmetic.

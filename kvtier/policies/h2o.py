@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.base import check_number
-from ..cache.headwise import EvictionBudget, HeadwiseCache, Scorer
+from ..attention.merge import causal_weight_sums
+from ..cache.headwise import HeadwiseCache, Scorer
+from ..config import EvictionBudget, check_number
 from .base import EvictionBaseline
 
 _PREFILL_CHUNK = 256  # queries per chunk when summing the prompt's attention columns
@@ -40,23 +41,10 @@ class H2OScorer(Scorer):
 
     def after_prefill(self, layer, query, scaling):
         st = layer.state
-        B, Hq, q, D = query.shape
-        k = layer.k[:, :, : layer.S]
-        H = k.shape[1]
-        g = Hq // H
-        valid = layer.slot_valid()[:, :1]  # (B, 1, S): padding columns get no attention
-        acc = torch.zeros(B, H, layer.S, dtype=torch.float32, device=layer.device)
-        for c in range(0, q, _PREFILL_CHUNK):
-            qc = query[:, :, c : c + _PREFILL_CHUNK]
-            n = qc.shape[2]
-            s = torch.matmul(qc.reshape(B, H, g * n, D), k.transpose(-1, -2)).view(B, H, g, n, -1) * scaling
-            causal = torch.arange(layer.S, device=layer.device).view(1, -1) <= torch.arange(c, c + n, device=layer.device).view(-1, 1)
-            mask = causal.view(1, 1, 1, n, -1) & valid.view(B, 1, 1, 1, -1)
-            p = torch.softmax(s.masked_fill(~mask, float("-inf")), dim=-1, dtype=torch.float32)
-            p = torch.nan_to_num(p)  # a padding query sees no key: its row is all -inf
-            qvalid = st.valid[:, c : c + n].view(B, 1, 1, n, 1)  # padding queries do not vote
-            acc += (p * qvalid).sum(dim=(2, 3))
-        layer.slots["acc"][:, :, : layer.S] += acc
+        q = query.shape[2]
+        key_valid = layer.slot_valid()[:, 0]  # (B, S): the same columns in every kv-head after prefill
+        layer.slots["acc"][:, :, : layer.S] += causal_weight_sums(query, layer.k[:, :, : layer.S], key_valid,
+                                                                  st.valid[:, :q], scaling, _PREFILL_CHUNK)
 
     def after_decode(self, layer, query, probs, scaling):
         layer.slots["acc"][:, :, : layer.S] += probs.sum(dim=2)  # sum over the group's query heads
