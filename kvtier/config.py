@@ -1,4 +1,4 @@
-"""Typed, validated configuration for kvtier caches.
+"""Typed, validated configuration for kvtier caches, and every value check a policy's parameters go through.
 
 Budgets are fractions of each sequence's *logical* length N (prompt + generated, padding excluded):
 
@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+import torch
+
+ATTENTION_MODES = ("split", "ordered")  # split: each tier where it lives; ordered: the bit-exact reference
+T1_MODES = ("auto", "stream", "host")  # where T1/T2 are attended in split mode
+KERNEL_MODES = ("auto", "fused", "eager")  # the split step's implementation (kvtier.attention.fused_cpu)
 
 # Float ratios such as 0.29 * 100 land a hair under the integer; this keeps floor() honest.
 _FLOOR_EPS = 1e-9
@@ -74,3 +80,74 @@ class TierConfig:
         _check_nonneg_int("recent_window", self.recent_window)
         if not isinstance(self.protect_prompt, bool):
             raise ValueError(f"protect_prompt must be True or False, got {self.protect_prompt!r}")
+
+
+@dataclass(frozen=True)
+class EvictionBudget:
+    """How many tokens a row may keep: ``budget_ratio`` of its logical length, or ``budget_tokens``.
+
+    ``budget_floor`` (equal-memory comparisons): when set, a row's budget is at least its prompt plus its
+    ``budget_floor`` newest generated tokens. The tiered planner keeps ``max(|protected|, floor(hbm_ratio * N))``
+    tokens in T0 with protected = prompt + sinks + the last ``recent_window`` tokens, so
+    ``budget_ratio=hbm_ratio, budget_floor=recent_window`` gives a baseline exactly that many device tokens.
+    """
+
+    budget_ratio: float | None = None
+    budget_tokens: int | None = None
+    budget_floor: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.budget_ratio is None) == (self.budget_tokens is None):
+            raise ValueError("give exactly one of budget_ratio (in (0, 1]) or budget_tokens (an integer >= 1)")
+        if self.budget_ratio is not None:
+            r = self.budget_ratio
+            if isinstance(r, bool) or not isinstance(r, (int, float)) or not (0.0 < r <= 1.0):
+                raise ValueError(f"budget_ratio must be a number in (0, 1], got {r!r}")
+        if self.budget_tokens is not None:
+            t = self.budget_tokens
+            if isinstance(t, bool) or not isinstance(t, int) or t < 1:
+                raise ValueError(f"budget_tokens must be an integer >= 1, got {t!r}")
+        f = self.budget_floor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 0):
+            raise ValueError(f"budget_floor must be None or an integer >= 0 (generated tokens on top of the prompt), got {f!r}")
+
+    def per_row(self, n_real: torch.Tensor, n_prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) long budgets for rows of (B,) real lengths (``n_prompt`` (B,): real prompt lengths, for the floor)."""
+        if self.budget_tokens is not None:
+            b = torch.clamp(n_real, max=self.budget_tokens)
+        else:
+            b = torch.tensor([max(1, budget(self.budget_ratio, int(n))) for n in n_real.tolist()], dtype=torch.long)
+        if self.budget_floor is not None and n_prompt is not None:
+            b = torch.maximum(b, n_prompt + torch.clamp(n_real - n_prompt, max=self.budget_floor))
+        return b
+
+
+def check_number(policy: str, name: str, value, lo: float, hi: float | None = None, integer: bool = False) -> None:
+    """``ValueError`` naming the parameter, the policy and the allowed range."""
+    kind = int if integer else (int, float)
+    ok = not isinstance(value, bool) and isinstance(value, kind) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        what = "an integer" if integer else "a number"
+        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be {what} {rng} for policy {policy!r}, got {value!r}")
+
+
+def check_modes(policy: str, attention: str, t1_attention: str = "auto", t1_on_device: bool = False,
+                kernel: str = "auto") -> None:
+    """``ValueError`` naming the parameter when the attention settings are unknown or contradict each other."""
+    if kernel not in KERNEL_MODES:
+        raise ValueError(f"kernel must be one of {list(KERNEL_MODES)} for policy {policy!r}, got {kernel!r}")
+    if kernel == "fused" and attention != "split":
+        raise ValueError(f"kernel='fused' needs attention='split' for policy {policy!r} (the ordered path is the "
+                         "reference and has no kernel)")
+    if attention not in ATTENTION_MODES:
+        raise ValueError(f"attention must be one of {list(ATTENTION_MODES)} for policy {policy!r}, got {attention!r}")
+    if t1_attention not in T1_MODES:
+        raise ValueError(f"t1_attention must be one of {list(T1_MODES)} for policy {policy!r}, got {t1_attention!r}")
+    if not isinstance(t1_on_device, bool):
+        raise ValueError(f"t1_on_device must be True or False for policy {policy!r}, got {t1_on_device!r}")
+    if attention == "ordered" and t1_attention == "host":
+        raise ValueError(f"t1_attention='host' needs attention='split' for policy {policy!r}: the ordered path "
+                         "attends every kept token in one softmax on the device")
+    if t1_on_device and t1_attention == "host":
+        raise ValueError(f"t1_on_device=True keeps T1 on the device; it contradicts t1_attention='host' for policy {policy!r}")

@@ -26,9 +26,11 @@ from pathlib import Path
 
 import torch
 
+from ..config import KERNEL_MODES  # noqa: F401 (the kernel switch, checked in config; exported here)
+
 log = logging.getLogger(__name__)
 
-KERNEL_MODES = ("auto", "fused", "eager")
+
 _SRC = Path(__file__).parent / "csrc" / "fused_decode_cpu.cpp"
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]  # OpenMP: at::parallel_for is header code
 

@@ -36,16 +36,6 @@ def prompt_validity(attention_mask: torch.Tensor | None, q: int) -> torch.Tensor
     return diag
 
 
-def check_number(policy: str, name: str, value, lo: float, hi: float | None = None, integer: bool = False) -> None:
-    """``ValueError`` naming the parameter, the policy and the allowed range."""
-    kind = int if integer else (int, float)
-    ok = not isinstance(value, bool) and isinstance(value, kind) and value >= lo and (hi is None or value <= hi)
-    if not ok:
-        what = "an integer" if integer else "a number"
-        rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
-        raise ValueError(f"{name} must be {what} {rng} for policy {policy!r}, got {value!r}")
-
-
 def model_shape(config) -> tuple[int, int, int]:
     """(layers, kv-heads, head_dim) of a transformers config."""
     c = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -18,7 +18,7 @@ import torch
 from ..attention import fused_cpu
 from ..attention.host import HostAttention, stream_rows_for
 from ..attention.merge import mask_bias, partial
-from ..config import TierConfig
+from ..config import ATTENTION_MODES, T1_MODES, TierConfig, check_modes  # noqa: F401 (re-exported)
 from ..tiers.layout import TAIL, Layout, build_layout, gather_rows
 from ..tiers.planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
 from ..transfer import TransferEngine, memcpy_peak_gbps
@@ -29,34 +29,11 @@ log = logging.getLogger(__name__)
 _WORK_ALIGN = 256  # work-buffer capacity granularity: same length -> same strides -> same floats
 _TAIL_GRANULE = 64  # tail columns are allocated in steps of min(this, retier_interval)
 
-ATTENTION_MODES = ("split", "ordered")
 SCORE_DTYPE = torch.float64
-T1_MODES = ("auto", "stream", "host")
 
 
 def _roundup(n: int, m: int) -> int:
     return (n + m - 1) // m * m
-
-
-def check_modes(policy: str, attention: str, t1_attention: str = "auto", t1_on_device: bool = False,
-                kernel: str = "auto") -> None:
-    """``ValueError`` naming the parameter when the attention settings are unknown or contradict each other."""
-    if kernel not in fused_cpu.KERNEL_MODES:
-        raise ValueError(f"kernel must be one of {list(fused_cpu.KERNEL_MODES)} for policy {policy!r}, got {kernel!r}")
-    if kernel == "fused" and attention != "split":
-        raise ValueError(f"kernel='fused' needs attention='split' for policy {policy!r} (the ordered path is the "
-                         "reference and has no kernel)")
-    if attention not in ATTENTION_MODES:
-        raise ValueError(f"attention must be one of {list(ATTENTION_MODES)} for policy {policy!r}, got {attention!r}")
-    if t1_attention not in T1_MODES:
-        raise ValueError(f"t1_attention must be one of {list(T1_MODES)} for policy {policy!r}, got {t1_attention!r}")
-    if not isinstance(t1_on_device, bool):
-        raise ValueError(f"t1_on_device must be True or False for policy {policy!r}, got {t1_on_device!r}")
-    if attention == "ordered" and t1_attention == "host":
-        raise ValueError(f"t1_attention='host' needs attention='split' for policy {policy!r}: the ordered path "
-                         "attends every kept token in one softmax on the device")
-    if t1_on_device and t1_attention == "host":
-        raise ValueError(f"t1_on_device=True keeps T1 on the device; it contradicts t1_attention='host' for policy {policy!r}")
 
 
 class TierState:

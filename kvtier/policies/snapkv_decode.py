@@ -13,7 +13,8 @@ For the original prompt-only SnapKV (Li et al. 2024) use ``snapkv``.
 
 from __future__ import annotations
 
-from ..cache.headwise import EvictionBudget, HeadwiseCache
+from ..cache.headwise import HeadwiseCache
+from ..config import EvictionBudget
 from .base import EvictionBaseline
 from .rkv import RKVScorer, check_schedule
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.base import check_number
-from ..cache.headwise import EvictionBudget, HeadwiseCache, Scorer
+from ..cache.headwise import HeadwiseCache, Scorer
+from ..config import EvictionBudget, check_number
 from .base import EvictionBaseline
 
 
