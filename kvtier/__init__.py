@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from . import _moved
 from .attention.registration import prepare_model
 from .cache import KVTierCache
 from .config import TierConfig
 from .policies import POLICIES, get_policy
 
 __version__ = "0.1.0"
+_moved.install()
 
 
 def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
@@ -46,4 +48,4 @@ def load_model(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = ["POLICIES", "KVTierCache", "TierConfig", "load_model", "make_cache", "prepare_model"]
+__all__ = ["POLICIES", "KVTierCache", "TierConfig", "get_policy", "load_model", "make_cache", "prepare_model"]

@@ -1,3 +1,5 @@
+"""``python -m kvtier``: the command line (kvtier.cli)."""
+
 from .cli import main
 
 main()
