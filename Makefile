@@ -21,7 +21,7 @@ venv: $(BIN)/.installed
 demo: venv
 	$(BIN)/kvtier demo
 
-# The HTML pages are checked in a real headless browser (tests/test_browser.py): Debian's chromium.
+# The HTML pages are checked in a real headless browser (tests/tools/test_browser.py): Debian's chromium.
 browser:
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
@@ -33,8 +33,8 @@ test: venv browser
 # Both ends of the supported transformers range (kvtier/compat.py), each in its own virtualenv, on the core tests.
 TF_OLDEST ?= 5.4.0
 TF_NEWEST ?= 5.24.0
-COMPAT_TESTS := tests/test_propositions.py tests/test_cache.py tests/test_baselines.py tests/test_split_attention.py \
-	tests/test_tiermap.py tests/test_compat.py
+COMPAT_TESTS := tests/test_propositions.py tests/cache/test_cache.py tests/policies/test_baselines.py \
+	tests/attention/test_split_attention.py tests/tiers/test_tiermap.py tests/test_compat.py
 
 .venv-tf-%/.installed: pyproject.toml
 	$(PY) -m venv .venv-tf-$*

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvtier.tools import viz
+from kvtier.tools import browser
 
 
 def main() -> None:
@@ -20,7 +20,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs"))
     a = ap.parse_args()
     for src, name, h in ((a.report, "report.png", 2200), (a.page, "tier_map.png", 1100)):
-        console = viz.screenshot(src, a.out / name, width=1280, height=h)
+        console = browser.screenshot(src, a.out / name, width=1280, height=h)
         print(f"{a.out / name}: console messages {console or 'none'}")
 
 

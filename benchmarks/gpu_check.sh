@@ -19,7 +19,7 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD"
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
-python3 -m pytest -q -p no:cacheprovider tests/test_systems.py tests/test_split_attention.py -k cuda
+python3 -m pytest -q -p no:cacheprovider tests/test_transfer.py tests/attention/test_split_attention.py -k cuda
 stamp="$(date -u +%Y-%m-%d)"
 for ctx in 4096 16384; do
   python3 -m kvtier plan --model random:qwen2-7b --batch 8 --seq-len "$ctx" --hbm-ratio 0.5 --evict-ratio 0.03 \

@@ -15,6 +15,8 @@ import kvtier
 from kvtier.compat import cache_kw
 from kvtier.models import random_model
 
+REPO = Path(__file__).resolve().parents[1]  # the checkout (tests/ lies one level below it)
+
 
 def _find_data_dir() -> Path:
     """The shared benchmark data (never copied into the repo): $KVTIER_DATA_DIR, else a `shared/data` beside
@@ -22,7 +24,7 @@ def _find_data_dir() -> Path:
     env = os.environ.get("KVTIER_DATA_DIR")
     if env:
         return Path(env)
-    repo = Path(__file__).resolve().parents[1]
+    repo = REPO
     # beside the checkout or above it; last, this workplace's shared folder (CI clones elsewhere)
     for cand in [p / "shared" / "data" for p in repo.parents] + [Path("/work/shared/data")]:
         if (cand / "gsm8k" / "test.jsonl").is_file():

@@ -1,21 +1,16 @@
-"""Transfer engine, `kvtier bench` (schema, not speed) and `kvtier plan` (hand-computed numbers)."""
+"""The transfer engine: reused buffers, byte counters, prefetched slots; on CUDA, tiered equals full."""
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 from conftest import decode_loop, prompt_ids
-from typer.testing import CliRunner
 
 import kvtier
-from kvtier.cli import app
 from kvtier.compat import cache_kw
-from kvtier.tools.memplan import plan
 from kvtier.transfer import TransferEngine
 
-runner = CliRunner()
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -120,144 +115,3 @@ def test_cuda_rows_split_between_host_and_stream():
     st = out["both"][3]
     assert st["t1_attention"]["current"] == "both" and st["t1_attention"]["stream_rows"] == 2
     assert 0 < st["transfer"]["stream_h2d_bytes"] < out["stream"][3]["transfer"]["stream_h2d_bytes"]
-
-
-def test_bench_cpu_json_schema(tmp_path):
-    out = tmp_path / "bench.json"
-    res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "32", "--new-tokens", "4",
-                              "--batch", "1,2", "--hbm-ratio", "0.3,0.5", "--evict-ratio", "0.03", "--repeats", "1", "--recent-window", "8", "--t1-on-device",
-                                  "--attention", "split,ordered", "--t1-attention", "stream,host",
-                              "--device", "cpu", "--dtype", "fp32", "--json", str(out)])
-    assert res.exit_code == 0, res.output
-    assert "kvtier bench" in res.output and "tiered" in res.output
-    data = json.loads(out.read_text())
-    assert {"date", "device", "torch", "transformers", "config", "memcpy_peak_gbps", "results", "warmup_steps"} <= set(data)
-    rows = data["results"]
-    per_batch = ("stock_sdpa", "stock_static", "full", "full") + ("tiered",) * 8
-    assert [(r["batch"], r["policy"]) for r in rows] == [(b, p) for b in (1, 2) for p in per_batch]
-    assert sum(bool(r["params"].get("t1_on_device")) for r in rows) == 4
-    # per tiered point: split/stream, split/host, ordered (streams), t1_on_device
-    modes = [(r["params"].get("attention"), r["params"].get("t1_attention")) for r in rows[4:8]]
-    assert modes == [("split", "stream"), ("split", "host"), ("ordered", "stream"), (None, "stream")]
-    assert [r["t1_mode"] for r in rows[4:7]] == ["stream", "host", "stream"]
-    common = {"batch", "policy", "params", "decode_tok_s", "ms_per_step", "ratio_to_full", "ratio_to_stock",
-              "peak_device_bytes", "kv_bytes", "allocated_bytes", "seconds_repeats"}
-    for r in rows:
-        assert common <= set(r)
-        assert r["decode_tok_s"] > 0 and set(r["kv_bytes"]) == {"T0", "T1", "T2"}
-    for r in rows:
-        if r["policy"] == "tiered":
-            assert {"transfer_seconds", "transfer_share", "h2d_gbps", "h2d_fraction_of_peak", "h2d_bytes_per_step",
-                    "migration_bytes_per_step", "tokens", "retiers", "h2d_floor_ms_per_step"} <= set(r)
-            assert r["retiers"] >= 1
-            if r["params"].get("t1_on_device"):  # streams only at reassignments, maybe none in 4 timed steps
-                assert r["h2d_bytes_per_step"] >= 0
-            elif r["t1_mode"] == "host":  # attended where it lives: nothing crosses per step
-                assert r["h2d_bytes_per_step"] == 0
-            else:
-                assert r["h2d_bytes_per_step"] > 0
-    assert [r["ratio_to_full"] for r in rows if r["policy"] == "full" and not r["params"]] == [1.0, 1.0]
-
-
-def test_bench_interleaved_times_every_configuration_step_by_step(tmp_path):
-    out = tmp_path / "bench.json"
-    res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "24", "--new-tokens", "5",
-                              "--warmup-steps", "3", "--batch", "2", "--hbm-ratio", "0.3", "--repeats", "2",
-                              "--no-warm-repeat", "--interleave", "--recent-window", "4", "--retier-interval", "4",
-                              "--attention", "split,ordered", "--t1-attention", "host", "--device", "cpu",
-                              "--dtype", "fp32", "--json", str(out)])
-    assert res.exit_code == 0, res.output
-    rows = json.loads(out.read_text())["results"]
-    assert [r["policy"] for r in rows] == ["stock_sdpa", "stock_static", "full", "full", "tiered", "tiered"]
-    for r in rows:
-        assert len(r["seconds_repeats"]) == 2 and r["ms_per_step_median"] > 0 and r["median_ratio_to_full"] > 0
-    assert [r["t1_mode"] for r in rows[4:]] == ["host", "stream"]
-    assert rows[4]["retiers"] >= 1
-
-
-def test_bench_times_fused_and_eager_side_by_side(tmp_path):
-    """--kernel auto,eager: each split point once per implementation, the row naming what really ran."""
-    out = tmp_path / "bench.json"
-    res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "24", "--new-tokens", "3",
-                              "--warmup-steps", "3", "--batch", "1", "--hbm-ratio", "0.3", "--repeats", "1",
-                              "--no-warm-repeat", "--interleave", "--recent-window", "4", "--retier-interval", "4",
-                              "--t1-attention", "host", "--kernel", "auto,eager", "--no-stock", "--device", "cpu",
-                              "--dtype", "fp32", "--json", str(out)])
-    assert res.exit_code == 0, res.output
-    rows = json.loads(out.read_text())["results"]
-    tiered = [r for r in rows if r["policy"] == "tiered"]
-    assert [(r["params"]["kernel"], r["kernel"]) for r in tiered] == [("auto", "fused"), ("eager", "eager")]
-    assert "host, auto->fused" in res.output and "host, eager" in res.output
-    fulls = [(r["params"], r["kernel"]) for r in rows if r["policy"] == "full"]
-    assert fulls == [({}, "fused"), ({"kernel": "eager"}, "eager")]  # full's default, and SDPA beside it
-    bad = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--kernel", "fast", "--device", "cpu"])
-    assert bad.exit_code != 0 and "--kernel values must be among" in bad.output
-
-
-def test_plan_matches_hand_computed_values():
-    p = plan("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B", batch=8, seq_len=32768, hbm_ratio=0.3, evict_ratio=0.03,
-             pcie_gbps=50.0)
-    assert p["kv_bytes_per_token"] == 28 * 4 * 128 * 2 * 2 == 57_344
-    assert p["int8_bytes_per_token"] == 28 * 4 * (128 + 4) * 2
-    n3, n0 = 983, 9830  # floor(0.03 * 32768), floor(0.3 * 32768)
-    assert p["tokens_per_seq"] == {"T0": n0, "T1": 32768 - n0 - n3, "T2": 0, "T3": n3}
-    assert p["bytes_per_batch"]["T0"] == 8 * n0 * 57_344
-    assert p["device_bytes_saved"] == 8 * (32768 - n0) * 57_344
-    assert p["pcie_bytes_per_step"] == 8 * (32768 - n0 - n3) * 57_344
-    assert abs(p["step_floor_ms"]["pcie"] - p["pcie_bytes_per_step"] / 50e9 * 1e3) < 1e-9
-    assert plan("meta-llama/Meta-Llama-3-70B", 1, 1)["kv_bytes_per_token"] == 327_680
-    assert plan("random:qwen2-7b", 1, 100, dtype="fp32")["kv_bytes_per_token"] == 2 * 57_344
-    q = plan("random:qwen2-7b", 2, 1000, hbm_ratio=0.2, evict_ratio=0.1, quant_ratio=0.3)
-    assert q["tokens_per_seq"] == {"T0": 200, "T1": 400, "T2": 300, "T3": 100}
-    assert q["bytes_per_seq"]["T2"] == 300 * 28 * 4 * 132 * 2
-    prot = plan("random:qwen2-7b", 1, 1000, hbm_ratio=0.1, protected_tokens=300)
-    assert prot["tokens_per_seq"]["T0"] == 300
-
-
-def test_plan_floors_per_t1_mode_match_hand_computed_values():
-    """Qwen2-7B shapes, batch 8, 4K context, hbm 0.5, no eviction, on the h200 profile (4800 / 55 / 150 GB/s)."""
-    p = plan("random:qwen2-7b", batch=8, seq_len=4096, hbm_ratio=0.5, evict_ratio=0.0, hardware="h200")
-    fp = 57_344  # 28 layers x 4 kv-heads x 128 x K,V x 2 bytes
-    w = p["weights_bytes"]
-    t0 = t1 = 8 * 2048 * fp  # 0.94 GB each
-    full = 8 * 4096 * fp
-    ms = lambda b, gbps: 1e3 * b / (gbps * 1e9)  # noqa: E731
-    f = p["step_floor_ms"]
-    assert abs(f["full_cache"] - ms(w + full, 4800)) < 1e-9
-    assert abs(f["stream"] - max(ms(t1, 55), ms(w + t0 + t1, 4800))) < 1e-9  # PCIe-bound: 17.1 ms
-    assert abs(f["host"] - max(ms(t1, 150), ms(w + t0, 4800))) < 1e-9  # host-bound: 6.3 ms
-    x = 55 / (55 + 150)
-    assert abs(f["both"] - max(ms(t1, 205), ms(w + t0 + x * t1, 4800))) < 1e-9  # 4.6 ms
-    assert p["best_mode"] == "both"
-    assert abs(p["throughput_ratio_floor"] - f["full_cache"] / f["both"]) < 1e-12
-    assert abs(p["throughput_ratio_floor_by_mode"]["stream"] - f["full_cache"] / f["stream"]) < 1e-12
-    # the smallest hbm_ratio whose best floor is within 5% of the full cache's, found by hand on a 0.01 grid
-    small = p["smallest_hbm_ratio_within_5pct"]["best"]
-    def best(h):
-        n0 = int(h * 4096 + 1e-9)
-        a, b = 8 * n0 * fp, 8 * (4096 - n0) * fp
-        return min(max(ms(b, 55), ms(w + a + b, 4800)), max(ms(b, 150), ms(w + a, 4800)),
-                   max(ms(b, 205), ms(w + a + x * b, 4800)))
-    first = next(i / 100 for i in range(101) if best(i / 100) <= 1.05 * ms(w + full, 4800))
-    assert small == first and 0 < small < 1
-    # explicit bandwidths override the profile; the cpu profile exists; bad values are named
-    o = plan("random:qwen2-7b", 1, 4096, hardware="cpu", host_gbps=10.0)
-    assert o["hardware"]["host_gbps"] == 10.0 and o["hardware"]["hbm_gbps"] == 40.0
-    with pytest.raises(ValueError, match="--hardware"):
-        plan("random:qwen2-7b", 1, 10, hardware="tpu")
-    with pytest.raises(ValueError, match="--host-gbps"):
-        plan("random:qwen2-7b", 1, 10, host_gbps=0)
-    res = runner.invoke(app, ["plan", "--model", "random:qwen2-7b", "--batch", "8", "--seq-len", "4096",
-                              "--hbm-ratio", "0.5", "--evict-ratio", "0"])
-    assert res.exit_code == 0 and "stream" in res.output and "host" in res.output and "both (best)" in res.output
-
-
-def test_plan_reads_a_config_json(tmp_path):
-    cfg = {"num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 256,
-           "intermediate_size": 512, "vocab_size": 1000}
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert plan(str(tmp_path), 1, 10)["kv_bytes_per_token"] == 2 * 2 * 32 * 2 * 2
-    res = runner.invoke(app, ["plan", "--model", "org/unknown-model"])
-    assert res.exit_code == 2 and "config.json" in res.output
-    res = runner.invoke(app, ["plan", "--model", "random:qwen2-7b", "--json"])
-    assert res.exit_code == 0 and json.loads(res.output)["kv_bytes_per_token"] == 57_344

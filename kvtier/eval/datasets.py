@@ -191,7 +191,7 @@ def load_problems(name: str, data_dir: str | Path | None = None, limit: int | No
         raise DataError(f"--limit must be an integer >= 1, got {limit!r}")
     if name.startswith("rg:"):
         return _reasoning_gym(name[3:], limit, seed)
-    spec, (name, shuffle) = name, split_benchmark(name)
+    name, shuffle = split_benchmark(name)
     if data_dir is not None:
         path = Path(data_dir).expanduser() / name / "test.jsonl"
         if not path.is_file():

@@ -7,7 +7,7 @@ group share their K/V, so their attention is summed into the group's score. Once
 it keeps the ``budget - floor(heavy_ratio * budget)`` most recent tokens and fills the rest of the budget with
 the highest accumulated scores among the older tokens (heavy:recent = 1:1 by default), evicting at every step
 (prefill included) — the selection of ``H2OKVCache_LayerWise`` in ``FMInference/H2O``
-(``h2o_hf/utils_real_drop/modify_llama.py``), whose kept sets ``tests/reference/h2o_ref.py`` reproduces.
+(``h2o_hf/utils_real_drop/modify_llama.py``), whose kept sets ``tests/policies/reference/h2o_ref.py`` reproduces.
 
 Budget: ``budget_tokens`` is the reference's fixed ``hh_size + recent_size``; ``budget_ratio`` is a fraction
 of each row's *current* logical length (it grows as the chain grows), whereas the authors' simulation code

@@ -1,7 +1,7 @@
 """``rkv``: R-KV (Cai et al., 2025, "R-KV: Redundancy-aware KV Cache Compression for Reasoning Models").
 
 Follows the authors' released code (``Zefan-Cai/R-KV`` at d15c976: ``rkv/compression/r1_kv.py``,
-``rkv/utils.py``, ``rkv/modeling.py``); ``tests/reference/rkv_ref.py`` reproduces its kept sets. Per layer and
+``rkv/utils.py``, ``rkv/modeling.py``); ``tests/policies/reference/rkv_ref.py`` reproduces its kept sets. Per layer and
 kv-head, a compression keeps the ``window`` newest tokens and the top ``budget - window`` older ones by
 
 - importance: the attention logits of the last ``window`` queries on the older keys, pooled over the query

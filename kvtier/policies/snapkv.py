@@ -1,7 +1,7 @@
 """``snapkv``: SnapKV (Li et al., 2024, "SnapKV: LLM Knows What You Are Looking for Before Generation").
 
 Prompt-only compression, once, at the end of prefill, as ``SnapKVCluster.update_kv`` in the authors' code
-(``FasterDecoding/SnapKV``, ``snapkv/monkeypatch/snapkv_utils.py``; ``tests/reference/snapkv_ref.py`` reproduces
+(``FasterDecoding/SnapKV``, ``snapkv/monkeypatch/snapkv_utils.py``; ``tests/policies/reference/snapkv_ref.py`` reproduces
 its kept sets): once the prompt reaches the budget, the last ``window`` prompt queries attend over *all* prompt
 keys (causal inside the window, softmax over every key a query sees), their weights on the older keys are
 summed over the window (and over the query heads of a kv group, which share their keys), pooled along the

@@ -6,7 +6,8 @@ budget, then at every decode step whose preceding length is a multiple of ``buff
 newest tokens and the top ``budget - window`` older ones by the window queries' attention (logits pooled over
 a kv group's query heads by max, softmax over the older keys, mean over the window, max-pooled along the
 sequence with ``kernel_size``). That is R-KV's importance without its redundancy term, so this policy is the
-R-KV scorer with redundancy off; ``tests/reference/snapkv_decode_ref.py`` checks its kept sets.
+R-KV scorer with redundancy off; ``tests/policies/reference/rkv_ref.py`` with ``redundancy=False`` checks its kept
+sets (``test_snapkv_decode_kept_sets_match_authors_code``).
 
 For the original prompt-only SnapKV (Li et al. 2024) use ``snapkv``.
 """

@@ -3,7 +3,7 @@
 Keeps the first ``sink_tokens`` real tokens (the attention sinks) and the most recent tokens up to the
 budget; no scores. Evicts at every step once a row is over its budget, as the authors' ``StartRecentKVCache``
 (``mit-han-lab/streaming-llm``, ``streaming_llm/kv_cache.py``) does after each forward: the kept set after a
-step is identical to theirs (``tests/reference/streaming_llm_ref.py``). Differences, by design:
+step is identical to theirs (``tests/policies/reference/streaming_llm_ref.py``). Differences, by design:
 
 - kvtier attends before it evicts, so the step's attention sees the budget plus the incoming token;
 - tokens keep their original positions (RoPE is applied once, when a token is written): there is no

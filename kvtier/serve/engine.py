@@ -29,9 +29,10 @@ from typing import Any, Callable
 
 import torch
 
+from .metrics import Metrics
+
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = ("stop", "length", "timeout", "cancelled")
 
 
 class QueueFull(Exception):
@@ -89,44 +90,6 @@ class GenRequest:
     def cancel(self) -> None:
         """The client went away: the row is masked at the next step, or the request leaves the wait list."""
         self.cancelled = True
-
-
-class Metrics:
-    """What the engine counts; :mod:`kvtier.serve.app` exports it (Prometheus). Plain numbers, written by the
-    generation thread, read by the server's; no locks needed for single assignments."""
-
-    TTFT_BOUNDS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
-
-    def __init__(self) -> None:
-        self.batches = 0
-        self.prompt_tokens = 0
-        self.generated_tokens = 0
-        self.finished: dict[str, int] = {r: 0 for r in FINISH_REASONS}
-        self.kv_bytes: dict[tuple[str, str], int] = {}
-        self.streamed_bytes = 0
-        self.moved_bytes = 0
-        self.reassignments = 0
-        self.ttft_le = [0] * len(self.TTFT_BOUNDS)  # cumulative histogram of arrival -> first token
-        self.ttft_n, self.ttft_sum = 0, 0.0
-        self._recent: deque = deque()  # (time, tokens) of the last window
-
-    def observe_ttft(self, x: float) -> None:
-        self.ttft_n += 1
-        self.ttft_sum += x
-        for j, b in enumerate(self.TTFT_BOUNDS):
-            self.ttft_le[j] += x <= b
-
-    def add_tokens(self, n: int) -> None:
-        now = time.monotonic()
-        self.generated_tokens += n
-        self._recent.append((now, n))
-        while self._recent and self._recent[0][0] < now - 10.0:
-            self._recent.popleft()
-
-    def tokens_per_second(self) -> float:
-        """Generated tokens per second over the last 10 s."""
-        now = time.monotonic()
-        return sum(n for t, n in self._recent if t >= now - 10.0) / 10.0
 
 
 def _kv_by_location(stats: dict) -> dict[tuple[str, str], int]:

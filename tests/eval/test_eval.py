@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import DATA_DIR
+from conftest import DATA_DIR, REPO
 from typer.testing import CliRunner
 
 from kvtier.cli import app
@@ -73,7 +73,7 @@ def _eval_cmd(out: Path, limit: int) -> list[str]:
 
 def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     proc = subprocess.Popen(_eval_cmd(out, 40), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     path = out / "records.jsonl"
     deadline = time.time() + 120

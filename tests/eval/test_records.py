@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DATA_DIR, prompt_ids
+from conftest import DATA_DIR, REPO, prompt_ids
 from typer.testing import CliRunner
 
 import kvtier
@@ -24,7 +24,6 @@ from kvtier.models import preset_config
 pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="shared benchmark data not found next to the repo")
 runner = CliRunner()
 TINY = ["--model", "random:tiny-qwen2", "--dtype", "fp32", "--device", "cpu"]
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _records(out: Path) -> list[dict]:

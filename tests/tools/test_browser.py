@@ -15,14 +15,14 @@ from kvtier.cli import app
 from kvtier.eval.report import write_report
 from kvtier.eval.runner import EvalConfig, run_eval
 from kvtier.models import byte_tokenizer, random_model
-from kvtier.tools import viz
+from kvtier.tools import browser as browser_tools
 
 
 @pytest.fixture(scope="module")
 def browser():
     if os.environ.get("KVTIER_NO_BROWSER") == "1":
         pytest.skip("KVTIER_NO_BROWSER=1")
-    b = viz.find_browser()
+    b = browser_tools.find_browser()
     if b is None:
         pytest.fail("no Chromium on PATH: `make browser` installs it (apt-get install chromium)")
     return b
@@ -36,7 +36,7 @@ def _not_blank(png) -> float:
 
 
 def _check_page(browser, page, shot, height=1600):
-    console = viz.screenshot(page, shot, height=height, browser=browser)
+    console = browser_tools.screenshot(page, shot, height=height, browser=browser)
     assert console == [], console
     assert _not_blank(shot) > 0.02
 
@@ -52,7 +52,7 @@ def test_report_html_in_a_browser(browser, tmp_path):
     paths = write_report(tmp_path / "run", html=True)
     page = paths["html"]
     _check_page(browser, page, tmp_path / "report.png", height=2400)
-    dom = viz.dump_dom(page, browser=browser)
+    dom = browser_tools.dump_dom(page, browser=browser)
     assert 'class="sortable ready"' in dom  # the sort script ran without error
     assert dom.count("<details") == 3 and "<details open" in dom and "T3 evicted" in dom
 

@@ -1,0 +1,83 @@
+"""`kvtier bench`: its JSON schema and that it times what it says (not speed)."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from kvtier.cli import app
+
+runner = CliRunner()
+
+
+def test_bench_cpu_json_schema(tmp_path):
+    out = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "32", "--new-tokens", "4",
+                              "--batch", "1,2", "--hbm-ratio", "0.3,0.5", "--evict-ratio", "0.03", "--repeats", "1", "--recent-window", "8", "--t1-on-device",
+                                  "--attention", "split,ordered", "--t1-attention", "stream,host",
+                              "--device", "cpu", "--dtype", "fp32", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "kvtier bench" in res.output and "tiered" in res.output
+    data = json.loads(out.read_text())
+    assert {"date", "device", "torch", "transformers", "config", "memcpy_peak_gbps", "results", "warmup_steps"} <= set(data)
+    rows = data["results"]
+    per_batch = ("stock_sdpa", "stock_static", "full", "full") + ("tiered",) * 8
+    assert [(r["batch"], r["policy"]) for r in rows] == [(b, p) for b in (1, 2) for p in per_batch]
+    assert sum(bool(r["params"].get("t1_on_device")) for r in rows) == 4
+    # per tiered point: split/stream, split/host, ordered (streams), t1_on_device
+    modes = [(r["params"].get("attention"), r["params"].get("t1_attention")) for r in rows[4:8]]
+    assert modes == [("split", "stream"), ("split", "host"), ("ordered", "stream"), (None, "stream")]
+    assert [r["t1_mode"] for r in rows[4:7]] == ["stream", "host", "stream"]
+    common = {"batch", "policy", "params", "decode_tok_s", "ms_per_step", "ratio_to_full", "ratio_to_stock",
+              "peak_device_bytes", "kv_bytes", "allocated_bytes", "seconds_repeats"}
+    for r in rows:
+        assert common <= set(r)
+        assert r["decode_tok_s"] > 0 and set(r["kv_bytes"]) == {"T0", "T1", "T2"}
+    for r in rows:
+        if r["policy"] == "tiered":
+            assert {"transfer_seconds", "transfer_share", "h2d_gbps", "h2d_fraction_of_peak", "h2d_bytes_per_step",
+                    "migration_bytes_per_step", "tokens", "retiers", "h2d_floor_ms_per_step"} <= set(r)
+            assert r["retiers"] >= 1
+            if r["params"].get("t1_on_device"):  # streams only at reassignments, maybe none in 4 timed steps
+                assert r["h2d_bytes_per_step"] >= 0
+            elif r["t1_mode"] == "host":  # attended where it lives: nothing crosses per step
+                assert r["h2d_bytes_per_step"] == 0
+            else:
+                assert r["h2d_bytes_per_step"] > 0
+    assert [r["ratio_to_full"] for r in rows if r["policy"] == "full" and not r["params"]] == [1.0, 1.0]
+
+
+def test_bench_interleaved_times_every_configuration_step_by_step(tmp_path):
+    out = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "24", "--new-tokens", "5",
+                              "--warmup-steps", "3", "--batch", "2", "--hbm-ratio", "0.3", "--repeats", "2",
+                              "--no-warm-repeat", "--interleave", "--recent-window", "4", "--retier-interval", "4",
+                              "--attention", "split,ordered", "--t1-attention", "host", "--device", "cpu",
+                              "--dtype", "fp32", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["results"]
+    assert [r["policy"] for r in rows] == ["stock_sdpa", "stock_static", "full", "full", "tiered", "tiered"]
+    for r in rows:
+        assert len(r["seconds_repeats"]) == 2 and r["ms_per_step_median"] > 0 and r["median_ratio_to_full"] > 0
+    assert [r["t1_mode"] for r in rows[4:]] == ["host", "stream"]
+    assert rows[4]["retiers"] >= 1
+
+
+def test_bench_times_fused_and_eager_side_by_side(tmp_path):
+    """--kernel auto,eager: each split point once per implementation, the row naming what really ran."""
+    out = tmp_path / "bench.json"
+    res = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--context", "24", "--new-tokens", "3",
+                              "--warmup-steps", "3", "--batch", "1", "--hbm-ratio", "0.3", "--repeats", "1",
+                              "--no-warm-repeat", "--interleave", "--recent-window", "4", "--retier-interval", "4",
+                              "--t1-attention", "host", "--kernel", "auto,eager", "--no-stock", "--device", "cpu",
+                              "--dtype", "fp32", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    rows = json.loads(out.read_text())["results"]
+    tiered = [r for r in rows if r["policy"] == "tiered"]
+    assert [(r["params"]["kernel"], r["kernel"]) for r in tiered] == [("auto", "fused"), ("eager", "eager")]
+    assert "host, auto->fused" in res.output and "host, eager" in res.output
+    fulls = [(r["params"], r["kernel"]) for r in rows if r["policy"] == "full"]
+    assert fulls == [({}, "fused"), ({"kernel": "eager"}, "eager")]  # full's default, and SDPA beside it
+    bad = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--kernel", "fast", "--device", "cpu"])
+    assert bad.exit_code != 0 and "--kernel values must be among" in bad.output
