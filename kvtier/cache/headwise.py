@@ -267,7 +267,8 @@ class HeadwiseLayer(KVTierLayer):
         if self.layer_idx == 0:
             st.note_validity(attention_mask, q)
         k, v = self.k[:, :, : self.S], self.v[:, :, : self.S]
-        if q > 1:
+        prefill = q == st.n_total  # the cache's first tokens (a one-token prompt included)
+        if prefill:
             out = F.scaled_dot_product_attention(
                 query, k, v, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling, enable_gqa=True
             )
@@ -280,7 +281,7 @@ class HeadwiseLayer(KVTierLayer):
             st.scorer.after_decode(self, query, p, scaling)
         # Every row gained its q new real tokens (the prompt: its real length), and compression keeps exactly
         # min(kept, budget) per row, so the counts follow by arithmetic.
-        self.counts = st.n_real.clone() if q > 1 or self.counts is None else self.counts + q
+        self.counts = st.n_real.clone() if prefill or self.counts is None else self.counts + q
         budgets = st.budgets()
         limits = st.limits(budgets)
         if self.layer_idx == 0:

@@ -236,13 +236,15 @@ class TieredLayer(KVTierLayer):
         ``key``/``value`` (B, H, q, D) are this step's new states (the whole prompt at prefill)."""
         st = self.state
         B, Hq, q, D = query.shape
+        # a prefill brings the cache's first tokens (update() has counted them): a one-token prompt is one too
+        prefill = q == st.n_total
         if self.layer_idx == 0:
             st.n_heads_q = Hq
-            if q > 1:
+            if prefill:
                 st.note_validity(attention_mask, q)
                 if st.retier_enabled:
                     st.place_prefill()
-        if q > 1:
+        if prefill:
             # Prefill of an empty cache: SDPA over the prompt, never building the (q x q) weights.
             out = F.scaled_dot_product_attention(
                 query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling,

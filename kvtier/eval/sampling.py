@@ -31,7 +31,14 @@ class RowSampler:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logits = scores.float() / self.temperature  # (B, V)
-        probs = torch.softmax(logits, dim=-1)
+        if bool(torch.isfinite(logits.amax(dim=-1)).all()):
+            probs = torch.softmax(logits, dim=-1)
+        else:
+            # a temperature so small that s / T overflows (or rounds to 0 in float32): draw from the T -> 0 limit,
+            # uniform over the row's maxima, instead of NaN probabilities
+            s = scores.float()
+            top = (s == s.amax(dim=-1, keepdim=True)).float()
+            probs = top / top.sum(dim=-1, keepdim=True)
         if self.top_p < 1:
             sp, idx = probs.sort(dim=-1, descending=True)
             # keep the smallest prefix whose mass reaches top_p (the most likely token always stays)
