@@ -35,6 +35,13 @@ def serve(
     reasoning: str = typer.Option("separate", help="separate: <think> text as reasoning_content (DeepSeek's API); inline"),
     batch_wait: float = typer.Option(0.02, help="seconds the engine waits for companions after a first arrival"),
     grace: float = typer.Option(10.0, help="on SIGTERM/SIGINT: seconds in-flight requests get to finish"),
+    api_key: list[str] = typer.Option([], envvar="KVTIER_API_KEY", show_envvar=False,
+                                      help="a key /v1/* requires as 'Authorization: Bearer KEY' (repeatable; or "
+                                           "KVTIER_API_KEY, several comma-separated); none: no authentication"),
+    protect_metrics: bool = typer.Option(False, help="/metrics needs a key too (/health stays open)"),
+    max_body_bytes: int = typer.Option(1 << 20, help="larger request bodies get 413, unread"),
+    max_stream_buffer: int = typer.Option(1024, help="deltas a streaming client may leave unread; beyond, its "
+                                                     "request is cancelled"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto", help="auto (bf16 on CUDA and bf16-capable CPUs, else fp32), bf16, fp16, fp32"),
 ):
@@ -65,9 +72,13 @@ def serve(
             raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror or e})") from None
         if grace < 0:
             raise ValueError(f"--grace must be >= 0 seconds, got {grace}")
+        keys = tuple(k.strip() for x in api_key for k in x.split(",") if k.strip())
+        if api_key and not keys:
+            raise ValueError("--api-key must be a non-empty printable string without spaces")
         settings = ServeSettings(served_name=served_name or model, policy=policy, params=params, max_new_tokens=cap,
                                  max_prompt_tokens=max_prompt_tokens, request_timeout_s=request_timeout,
-                                 reasoning=reasoning)
+                                 reasoning=reasoning, api_keys=keys, protect_metrics=protect_metrics,
+                                 max_body_bytes=max_body_bytes, max_stream_buffer=max_stream_buffer)
         ecfg = EngineConfig(max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait)
         resolve_dtype(dtype, resolve_device(device))
         m, tok = kvtier.load_model(model, device=device, dtype=dtype)
@@ -76,7 +87,8 @@ def serve(
 
         def ready(server):
             console.print(f"kvtier serve: {settings.served_name} on http://{host}:{port}/v1 · policy {policy}"
-                          f"{f' ({shown})' if shown else ''} · batch {max_batch}, queue {max_queue}", highlight=False)
+                          f"{f' ({shown})' if shown else ''} · batch {max_batch}, queue {max_queue}"
+                          + (f" · {len(keys)} API key(s)" if keys else " · no API key"), highlight=False)
 
         run_server(m, tok, settings, ecfg, host=host, port=port, grace_s=grace, on_ready=ready)
         console.print("kvtier serve: stopped", highlight=False)
@@ -98,6 +110,8 @@ def bench_serve_cmd(
     max_batch: int = typer.Option(32, help="started server: --max-batch"),
     max_queue: int = typer.Option(64, help="started server: --max-queue"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the rows here (a .txt table beside it)"),
+    api_key: Optional[str] = typer.Option(None, envvar="KVTIER_API_KEY", show_envvar=False,
+                                          help="sent as 'Authorization: Bearer KEY' (a --url server that wants one)"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
 ):
@@ -163,7 +177,7 @@ def bench_serve_cmd(
         health = httpx.get(target + "/health", timeout=30).json()
         try:
             t0 = time.monotonic()
-            rows = bench_serve(target, levels, pols, requests_per_client, max_tokens,
+            rows = bench_serve(target, levels, pols, requests_per_client, max_tokens, api_key=api_key,
                                on_level=lambda r: console.print(
                                    f"bench-serve: {r['concurrency']} clients, {r['policy']}: {r['tok_s']:.1f} tok/s, "
                                    f"TTFT p50 {r['ttft_p50_s']:.2f} s · {time.monotonic() - t0:.0f} s", highlight=False))

@@ -33,6 +33,10 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
     uvicorn = _uvicorn()
     from .app import create_app
 
+    if not settings.api_keys and host not in ("127.0.0.1", "::1", "localhost"):
+        log.warning("kvtier serve listens on %s without an API key: anyone who can reach it can use it "
+                    "(--api-key or KVTIER_API_KEY)", host)
+
     engine = Engine(model, tokenizer, engine_cfg)
     app = create_app(engine, settings)
     app.state.grace_s = grace_s

@@ -4,21 +4,28 @@
 format, ``data: [DONE]`` last), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 Per-request cache settings ride in the body's ``kvtier`` object (``extra_body={"kvtier": {...}}`` in the
 ``openai`` client), validated as :func:`kvtier.make_cache` validates them. Errors are OpenAI's error object
-``{"error": {"message", "type", "param", "code"}}`` with 400 (bad input), 404 (unknown model), 429 (queue full,
-with ``Retry-After``), 503 (shutting down), 504 (timed out in the queue).
+``{"error": {"message", "type", "param", "code"}}`` with 400 (bad input), 401 (no or a wrong API key, when the server
+has keys), 404 (unknown model), 413 (body over ``--max-body-bytes``), 429 (queue full, with ``Retry-After``), 503
+(shutting down), 504 (timed out in the queue). The request and response bodies are pydantic models, so
+``/openapi.json`` describes them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from types import SimpleNamespace
+from typing import Annotated, Any, Literal, Optional, Union
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import HTTPException, RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .engine import Engine, GenRequest, QueueFull, ShuttingDown
@@ -39,6 +46,15 @@ class ServeSettings:
     request_timeout_s: float = 600.0
     reasoning: str = "separate"  # "separate": <think> text as reasoning_content; "inline": inside content
     retry_after_s: int = 1
+    # who may call /v1/* (Bearer keys; none: anyone), and whether /metrics needs a key too; never shown in a repr
+    api_keys: tuple = field(default=(), repr=False)
+    protect_metrics: bool = False
+    # bounds per request
+    max_body_bytes: int = 1 << 20  # a larger body is refused with 413 before it is read
+    max_messages: int = 512
+    max_stop: int = 4  # OpenAI's limit
+    max_stop_chars: int = 256
+    max_stream_buffer: int = 1024  # deltas waiting for a client that does not read its stream; beyond, the row is cancelled
 
     def __post_init__(self) -> None:
         from ..policies import validate_policy
@@ -54,6 +70,27 @@ class ServeSettings:
             raise ValueError(f"--request-timeout must be a positive number of seconds, got {self.request_timeout_s!r}")
         if self.reasoning not in ("separate", "inline"):
             raise ValueError(f"--reasoning must be separate or inline, got {self.reasoning!r}")
+        for name in ("max_body_bytes", "max_messages", "max_stop", "max_stop_chars", "max_stream_buffer"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= 1, got {v!r}")
+        self.api_keys = tuple(self.api_keys)
+        for k in self.api_keys:  # the key itself is never echoed
+            if not isinstance(k, str) or not k or k != k.strip() or any(c.isspace() or not c.isprintable() for c in k):
+                raise ValueError("--api-key must be a non-empty printable string without spaces")
+        if not isinstance(self.protect_metrics, bool):
+            raise ValueError(f"--protect-metrics must be True or False, got {self.protect_metrics!r}")
+        if self.protect_metrics and not self.api_keys:
+            raise ValueError("--protect-metrics needs --api-key (or KVTIER_API_KEY)")
+
+    def key_ok(self, authorization: str | None) -> bool:
+        """Whether an ``Authorization`` header carries one of the keys (compared in constant time, all of them)."""
+        import hmac
+
+        scheme, _, token = (authorization or "").partition(" ")
+        token = token.strip().encode()
+        hits = [hmac.compare_digest(token, k.encode()) for k in self.api_keys]
+        return scheme.lower() == "bearer" and any(hits)
 
 
 class APIError(Exception):
@@ -66,48 +103,134 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}}
 
 
-def _schemas():
-    """The request bodies (pydantic, imported with the optional extra). Unknown top-level OpenAI fields are
-    ignored as OpenAI ignores them; those kvtier cannot honour (``n`` > 1, ``logprobs``, tools) are errors."""
+def _schemas(settings: ServeSettings):
+    """Request and response bodies (pydantic, imported with the optional extra), bounded by ``settings``; they are what
+    ``/openapi.json`` publishes. Unknown top-level OpenAI fields are ignored as OpenAI ignores them; those kvtier
+    cannot honour (``n`` > 1, ``logprobs``, tools, ``echo``) are errors named in the message."""
     from pydantic import BaseModel, ConfigDict, Field
+
+    long_text = Field(max_length=1 << 22)  # a message or prompt of up to 4 Mi characters (the body limit binds first)
 
     class TextPart(BaseModel):
         model_config = ConfigDict(extra="forbid")
         type: Literal["text"]
-        text: str
+        text: str = long_text
 
     class Message(BaseModel):
         model_config = ConfigDict(extra="ignore")
         role: Literal["system", "developer", "user", "assistant"]
-        content: Union[str, list[TextPart]]
+        content: Union[str, list[TextPart]] = Field(max_length=1 << 22)
 
     class StreamOptions(BaseModel):
         include_usage: bool = False
 
+    class CacheBlock(BaseModel):
+        """Per-request cache settings: a policy (its defaults) or overrides of the server's; any other key is a
+        parameter of the policy, checked as ``kvtier.make_cache`` checks it."""
+        model_config = ConfigDict(extra="allow")
+        policy: Optional[str] = Field(None, max_length=64)
+        hbm_ratio: Optional[float] = Field(None, ge=0, le=1)
+        evict_ratio: Optional[float] = Field(None, ge=0, le=1)
+        quant_ratio: Optional[float] = Field(None, ge=0, le=1)
+        budget_ratio: Optional[float] = Field(None, gt=0, le=1)
+        budget_tokens: Optional[int] = Field(None, ge=1)
+
+    stop_item = Field(min_length=1, max_length=settings.max_stop_chars)
+
     class Common(BaseModel):
         model_config = ConfigDict(extra="ignore")
-        model: Optional[str] = None
-        max_tokens: Optional[int] = None
+        model: Optional[str] = Field(None, max_length=512)
+        max_tokens: Optional[int] = Field(None, ge=1)
         temperature: float = Field(1.0, ge=0, le=2)
         top_p: float = Field(1.0, gt=0, le=1)
         stream: bool = False
         stream_options: Optional[StreamOptions] = None
-        stop: Union[str, list[str], None] = None
+        stop: Union[Annotated[str, stop_item], Annotated[list[Annotated[str, stop_item]],
+                                                          Field(max_length=settings.max_stop)], None] = None
         n: int = 1
-        seed: Optional[int] = None
+        seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 64)
         logprobs: Optional[Any] = None
-        kvtier: Optional[dict] = None
+        kvtier: Optional[CacheBlock] = None
 
     class Chat(Common):
-        messages: list[Message]
-        max_completion_tokens: Optional[int] = None
+        messages: list[Message] = Field(min_length=1, max_length=settings.max_messages)
+        max_completion_tokens: Optional[int] = Field(None, ge=1)
         tools: Optional[list] = None
 
     class Completion(Common):
-        prompt: str
+        prompt: str = Field(min_length=1, max_length=1 << 22)
         echo: bool = False
 
-    return Chat, Completion
+    # ---- responses (documented; the routes build plain dicts of these shapes) ----
+    class ErrorDetail(BaseModel):
+        message: str
+        type: str
+        param: Optional[str] = None
+        code: Union[int, str, None] = None
+
+    class ErrorBody(BaseModel):
+        error: ErrorDetail
+
+    class Usage(BaseModel):
+        model_config = ConfigDict(extra="allow")
+        prompt_tokens: int
+        completion_tokens: int
+        total_tokens: int
+        kvtier: Optional[dict] = None  # tier tokens, peak device KV, bytes moved, finish reason
+
+    class AssistantMessage(BaseModel):
+        role: Literal["assistant"]
+        content: str
+        reasoning_content: Optional[str] = None
+
+    class ChatChoice(BaseModel):
+        index: int
+        message: AssistantMessage
+        logprobs: None = None
+        finish_reason: Optional[str] = None
+
+    class ChatCompletion(BaseModel):
+        id: str
+        object: Literal["chat.completion"]
+        created: int
+        model: str
+        choices: list[ChatChoice]
+        usage: Usage
+
+    class TextChoice(BaseModel):
+        index: int
+        text: str
+        logprobs: None = None
+        finish_reason: Optional[str] = None
+
+    class TextCompletion(BaseModel):
+        id: str
+        object: Literal["text_completion"]
+        created: int
+        model: str
+        choices: list[TextChoice]
+        usage: Usage
+
+    class ModelCard(BaseModel):
+        id: str
+        object: Literal["model"]
+        created: int
+        owned_by: str
+
+    class ModelList(BaseModel):
+        object: Literal["list"]
+        data: list[ModelCard]
+
+    class Health(BaseModel):
+        status: Literal["ok", "draining"]
+        model: str
+        queue: int
+        running: int
+        device: str
+        dtype: str
+
+    return SimpleNamespace(Chat=Chat, Completion=Completion, ErrorBody=ErrorBody, ChatCompletion=ChatCompletion,
+                           TextCompletion=TextCompletion, ModelList=ModelList, Health=Health)
 
 
 class Server:
@@ -119,6 +242,8 @@ class Server:
         self.draining = False
         self.created = int(time.time())
         self.counts: dict[tuple[str, int], int] = {}
+        self.peak_buffered = 0  # the most deltas any one response had waiting (bounded by --max-stream-buffer)
+        self.stream_cuts = 0  # rows cancelled because their client stopped reading
 
     # ---- validation -----------------------------------------------------------------------------------
     def cache_settings(self, block: dict | None) -> tuple[str, dict]:
@@ -192,9 +317,11 @@ class Server:
                    f"the model's {self.s.position_limit} positions minus the {len(ids)}-token prompt")
             raise APIError(400, f"{limit_name} must be <= {cap} ({why}), got {max_tokens}", limit_name)
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > 4 or any(not x for x in stop):
-            raise APIError(400, "stop must be up to 4 non-empty strings", "stop")
-        policy, params = self.cache_settings(body.kvtier)
+        if len(stop) > self.s.max_stop or any(not x or len(x) > self.s.max_stop_chars for x in stop):
+            raise APIError(400, f"stop must be up to {self.s.max_stop} non-empty strings of at most "
+                           f"{self.s.max_stop_chars} characters", "stop")
+        block = body.kvtier.model_dump(exclude_unset=True) if body.kvtier is not None else None
+        policy, params = self.cache_settings(block)
         from .text import prompt_opens_think
 
         req = GenRequest(prompt_ids=list(ids), max_tokens=int(max_tokens), sink=lambda ev: None, policy=policy,
@@ -214,9 +341,25 @@ class Server:
             raise APIError(503, "the server is shutting down", None, "server_error")
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
+        limit, cut = self.s.max_stream_buffer, [False]
 
-        def sink(ev, q=q, loop=loop):
-            loop.call_soon_threadsafe(q.put_nowait, ev)
+        def put(ev):
+            # on the event loop: a client that does not read its stream lets deltas pile up here; past the bound the
+            # row is cancelled (its cache is freed when its batch ends) and nothing more is queued
+            if cut[0]:
+                return
+            if q.qsize() >= limit:
+                cut[0] = True
+                self.stream_cuts += 1
+                self.engine.cancel(req)
+                q.put_nowait(("error", 408, f"the client read too slowly: more than {limit} deltas waited to be "
+                                            "sent (--max-stream-buffer); the request was cancelled"))
+                return
+            q.put_nowait(ev)
+            self.peak_buffered = max(self.peak_buffered, q.qsize())
+
+        def sink(ev, loop=loop):
+            loop.call_soon_threadsafe(put, ev)
 
         req.sink = sink
         try:
@@ -229,13 +372,47 @@ class Server:
         return q
 
 
+class _BodyTooLarge(HTTPException):
+    def __init__(self, limit: int):
+        super().__init__(413, f"the body is larger than {limit} bytes (--max-body-bytes)")
+
+
+class _BodyLimit:
+    """ASGI middleware: a body over ``limit`` bytes gets 413 — at once when its Content-Length says so (nothing of it
+    is read), else as soon as the bytes read pass the limit."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            e = APIError(413, str(_BodyTooLarge(self.limit).detail), None, "invalid_request_error")
+            return await JSONResponse(e.body(), status_code=413, headers={"Connection": "close"})(scope, receive, send)
+        seen = 0
+
+        async def limited():
+            nonlocal seen
+            msg = await receive()
+            seen += len(msg.get("body", b"")) if msg.get("type") == "http.request" else 0
+            if seen > self.limit:
+                raise _BodyTooLarge(self.limit)
+            return msg
+
+        return await self.app(scope, limited, send)
+
+
 def create_app(engine: Engine, settings: ServeSettings):
     """The FastAPI application (``engine`` is started on startup and shut down, gracefully, on shutdown)."""
     from contextlib import asynccontextmanager
 
+    from fastapi.security import HTTPBearer
+
     from .metrics import render_metrics
 
-    Chat, Completion = _schemas()
+    S = _schemas(settings)
     srv = Server(engine, settings)
 
     @asynccontextmanager
@@ -245,34 +422,64 @@ def create_app(engine: Engine, settings: ServeSettings):
         srv.draining = True
         await asyncio.to_thread(engine.shutdown, getattr(app.state, "grace_s", 10.0))
 
-    app = FastAPI(title="kvtier", lifespan=lifespan)
+    app = FastAPI(title="kvtier", version=_version(), lifespan=lifespan,
+                  description="OpenAI-compatible completions decoded with a kvtier cache. Errors are OpenAI's error "
+                              "object; `kvtier` in a request body sets that request's cache.")
     app.state.server = srv
+    app.add_middleware(_BodyLimit, limit=settings.max_body_bytes)
 
     def error(e: APIError, endpoint: str) -> JSONResponse:
         srv.count(endpoint, e.status)
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
-    async def _parse(request: Request, schema):
-        try:
-            raw = await request.body()
-            data = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise APIError(400, f"the body is not valid JSON ({e})") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "the body must be a JSON object")
-        from pydantic import ValidationError
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return error(e, request.url.path)
 
-        try:
-            return schema.model_validate(data)
-        except ValidationError as e:
-            first = e.errors()[0]
-            param = ".".join(str(x) for x in first.get("loc", ())) or None
-            raise APIError(400, f"{param or 'body'}: {first.get('msg', 'invalid')}", param) from None
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):  # 404/405 of unknown routes, 413 of a long body
+        kind = "invalid_request_error" if e.status_code < 500 else "server_error"
+        return error(APIError(e.status_code, str(e.detail), None, kind, dict(e.headers or {})), request.url.path)
 
-    async def _handle(request: Request, chat: bool):
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        errors = e.errors() or [{}]
+        # a union (stop: a string or a list) reports one error per branch; the one that is not "wrong type" is the
+        # one that says what is wrong, and the branch tags ("list[constrained-str]") are not field names
+        first = next((x for x in errors if not str(x.get("type", "")).endswith("_type")), errors[0])
+        loc = [str(x) for x in first.get("loc", ()) if x != "body" and not re.search(r"[\[\-]", str(x))]
+        if first.get("type") == "json_invalid":
+            msg, param = f"the body is not valid JSON ({first.get('ctx', {}).get('error', first.get('msg'))})", None
+        elif not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+            msg, param = "the body must be a JSON object", None
+        else:
+            param = ".".join(loc) or None
+            msg = f"{param or 'body'}: {first.get('msg', 'invalid')}"
+        return error(APIError(400, msg, param), request.url.path)
+
+    bearer = HTTPBearer(auto_error=False, description="one of the server's --api-key values")
+
+    async def require_key(request: Request, _=Depends(bearer)):
+        if not settings.key_ok(request.headers.get("authorization")):
+            raise APIError(401, "a valid API key is required: send 'Authorization: Bearer <key>'", None,
+                           "invalid_request_error", {"WWW-Authenticate": "Bearer"})
+
+    keyed = [Depends(require_key)] if settings.api_keys else []
+    err = {"model": S.ErrorBody}
+    failures = {400: {**err, "description": "bad input, named in error.param"}, 404: {**err, "description": "unknown model"},
+                413: {**err, "description": "body larger than --max-body-bytes"},
+                429: {**err, "description": "the wait list is full (Retry-After)"},
+                503: {**err, "description": "shutting down"}, 504: {**err, "description": "timed out in the queue"}}
+    if settings.api_keys:
+        failures[401] = {**err, "description": "missing or wrong API key"}
+
+    def completion_responses(model):
+        return {200: {"model": model, "description": "the completion; with stream=true, server-sent events",
+                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **failures}
+
+    async def _handle(request: Request, body, chat: bool):
         endpoint = request.url.path
         try:
-            body = await _parse(request, Chat if chat else Completion)
             req, _ = srv.build(body, chat)
             q = srv.submit(req)
         except APIError as e:
@@ -285,20 +492,29 @@ def create_app(engine: Engine, settings: ServeSettings):
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         return await _whole(request, srv, req, q, rid, chat, endpoint)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        return await _handle(request, chat=True)
+    def completion_route(path: str, schema, response, chat: bool, name: str):
+        async def endpoint(request: Request, body):
+            return await _handle(request, body, chat=chat)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        return await _handle(request, chat=False)
+        # the body's model is built per server (its bounds are the settings'), so the signature is given as objects:
+        # this module's string annotations could not name it
+        endpoint.__signature__ = inspect.Signature([
+            inspect.Parameter("request", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Request),
+            inspect.Parameter("body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=schema)])
+        endpoint.__name__ = name
+        app.add_api_route(path, endpoint, methods=["POST"], dependencies=keyed, responses=completion_responses(response),
+                          name=name)
 
-    @app.get("/v1/models")
+    completion_route("/v1/chat/completions", S.Chat, S.ChatCompletion, True, "chat_completions")
+    completion_route("/v1/completions", S.Completion, S.TextCompletion, False, "completions")
+
+    @app.get("/v1/models", dependencies=keyed, response_model=S.ModelList,
+             responses={k: v for k, v in failures.items() if k == 401})
     async def models():
         return {"object": "list", "data": [{"id": settings.served_name, "object": "model", "created": srv.created,
                                             "owned_by": "kvtier"}]}
 
-    @app.get("/health")
+    @app.get("/health", response_model=S.Health, responses={503: {"model": S.Health, "description": "draining"}})
     async def health():
         status = 503 if srv.draining else 200
         return JSONResponse({"status": "draining" if srv.draining else "ok", "model": settings.served_name,
@@ -306,12 +522,21 @@ def create_app(engine: Engine, settings: ServeSettings):
                              "device": str(engine.model.device),
                              "dtype": str(engine.model.dtype).removeprefix("torch.")}, status_code=status)
 
-    @app.get("/metrics")
+    @app.get("/metrics", dependencies=keyed if settings.protect_metrics else [],
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}},
+                              "description": "Prometheus text"},
+                        **({401: failures[401]} if settings.protect_metrics else {})})
     async def metrics():
         text, ctype = render_metrics(srv)
         return PlainTextResponse(text, media_type=ctype)
 
     return app
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
 
 
 def _chunk(srv: Server, rid: str, chat: bool, content: str = "", reasoning: str = "", finish: str | None = None,

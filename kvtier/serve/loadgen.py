@@ -95,13 +95,14 @@ async def _one(client, url: str, question: str, policy: dict, max_tokens: int, l
     lv.requests += 1
 
 
-async def run_level(url: str, concurrency: int, policy: dict, per_client: int, max_tokens: int, seed: int) -> Level:
+async def run_level(url: str, concurrency: int, policy: dict, per_client: int, max_tokens: int, seed: int,
+                    headers: dict | None = None) -> Level:
     import httpx
 
     lv = Level(concurrency, policy.get("policy", "?"))
     qs = questions(concurrency * per_client, seed)
     limits = httpx.Limits(max_connections=concurrency + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(1800), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(1800), limits=limits, headers=headers) as client:
 
         async def worker(k: int):
             for j in range(per_client):
@@ -114,12 +115,14 @@ async def run_level(url: str, concurrency: int, policy: dict, per_client: int, m
 
 
 def bench_serve(url: str, concurrency: list[int], policies: list[dict], per_client: int, max_tokens: int,
-                seed: int = 0, on_level=None) -> list[dict]:
-    """Every level x policy (policies in turn at each level); rows as :meth:`Level.row`."""
+                seed: int = 0, on_level=None, api_key: str | None = None) -> list[dict]:
+    """Every level x policy (policies in turn at each level); rows as :meth:`Level.row`. ``api_key``: sent as a
+    Bearer token (a server started with ``--api-key``)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
     rows = []
     for c in concurrency:
         for pol in policies:
-            lv = asyncio.run(run_level(url, c, pol, per_client, max_tokens, seed))
+            lv = asyncio.run(run_level(url, c, pol, per_client, max_tokens, seed, headers))
             rows.append({**lv.row(), "params": {k: v for k, v in pol.items() if k != "policy"}})
             if on_level:
                 on_level(rows[-1])
