@@ -17,6 +17,8 @@ def progress_bar() -> Progress:
 def eval_progress_cb(progress: Progress, task):
     def cb(p):
         rate = f"{p['tokens'] / p['seconds']:.1f} tok/s" if p["seconds"] else ""
+        if not p["done"] and p.get("warmup_seconds"):
+            rate = f"warm-up {p['warmup_seconds']:.1f} s (untimed)"
         progress.update(task, total=p["total"], completed=p["done"], rate=rate)
 
     return cb
@@ -66,6 +68,8 @@ class LazyProgress:
     def __call__(self, p: dict) -> None:
         if self.plain is not None:
             rate = f" · {p['tokens'] / p['seconds']:.1f} tok/s" if p["seconds"] else ""
+            if not p["done"] and p.get("warmup_seconds"):  # tok/s never include it
+                rate = f" · warm-up {p['warmup_seconds']:.1f} s (untimed)"
             left = ""
             if p["seconds"] and p["done"]:
                 left = f" · ~{p['seconds'] / p['done'] * (p['total'] - p['done']):.0f} s left"
