@@ -124,7 +124,7 @@ def test_the_openai_client_with_and_without_the_key(keyed):
     assert whole.usage.completion_tokens >= 1 and chunks
 
 
-def test_the_schema_is_published_and_schemathesis_finds_nothing(keyed):
+def test_the_schema_is_published_and_schemathesis_finds_nothing(keyed, tmp_path):
     """schemathesis (a dev dependency) generates requests from /openapi.json for every operation, with the key, and
     checks: no 5xx, every status and content type documented, every response conforms to its schema."""
     import httpx
@@ -145,7 +145,7 @@ def test_the_schema_is_published_and_schemathesis_finds_nothing(keyed):
                                       "response_schema_conformance,response_headers_conformance",
                           "--max-examples", "20", "--max-time", "60", "--request-timeout", "30",
                           "--generation-deterministic", "--no-color"],
-                         capture_output=True, text=True, timeout=240, cwd=os.path.dirname(os.path.abspath(__file__)))
+                         capture_output=True, text=True, timeout=240, cwd=tmp_path)  # its cache lands there
     assert res.returncode == 0 and "No issues found" in res.stdout, res.stdout[-6000:]
     r = httpx.post(url + "/v1/chat/completions", json=BODY, headers=_auth(KEYS[0]), timeout=60)
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
