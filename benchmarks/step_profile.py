@@ -66,13 +66,11 @@ def run(model_name: str, batch: int, context: int, steps: int, warmup: int, poli
     with torch.no_grad():
         out_ = model(input_ids=ids, **cache_kw(model, cache), use_cache=True)
         nxt = out_.logits[:, -1].argmax(-1, keepdim=True)
-        pos = context
 
         def step():
-            nonlocal nxt, pos
+            nonlocal nxt
             o = model(input_ids=nxt, **cache_kw(model, cache), use_cache=True)  # positions: the cache's length
             nxt = o.logits[:, -1].argmax(-1, keepdim=True)
-            pos += 1
 
         for _ in range(warmup):
             step()

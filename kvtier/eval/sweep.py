@@ -63,11 +63,11 @@ def expand_grid(model: str, benchmarks: list[str], policies: list[str], evict_ra
                 raise ValueError(f"{flag} values must be numbers in [0, 1], got {x!r}")
     if not benchmarks or not policies:
         raise ValueError("a sweep needs at least one --benchmark and one --policy")
-    for pol in policies:
-        get_policy(pol)
     for k in budget_tokens:
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"--budget-tokens must be integers >= 1, got {k!r}")
+    for pol in policies:
+        get_policy(pol)
     hierarchy = [POLICIES[n] for n in of_family("hierarchy")]
     # equal memory floors a baseline at the device tokens the hierarchy keeps whatever its ratios
     floor = hierarchy[0].memory_floor(policy_params.get(hierarchy[0].name, {})) if hierarchy else None

@@ -249,8 +249,7 @@ class Server:
     def cache_settings(self, block: dict | None) -> tuple[str, dict]:
         """The request's policy and parameters: the server's defaults, or the ``kvtier`` block's. Naming a policy
         starts from that policy's defaults; without one the block overrides the server's parameters."""
-        from ..policies import validate_policy
-        from ..policies import POLICIES
+        from ..policies import POLICIES, validate_policy
 
         if block is None:
             return self.s.policy, dict(self.s.params)
