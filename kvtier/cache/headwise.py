@@ -432,3 +432,23 @@ class HeadwiseCache(ShapeGuardedCache):
             return {"T0": 0, "T1": 0, "T2": 0, "T3": 0}
         kept = int(self.layers[0].counts[row])
         return {"T0": kept, "T1": 0, "T2": 0, "T3": int(st.n_real[row]) - kept}
+
+    # ---- device memory under a budget (continuous batching) -----------------------------------------------
+    can_limit = False  # what a head-wise policy keeps is on the device: it cannot give memory back to the host
+
+    def device_kv_bytes(self) -> int:
+        """Device bytes of this cache's K/V buffers now (all layers)."""
+        return sum(x.numel() * x.element_size() for layer in self.layers if layer.is_initialized
+                   for x in (layer.k, layer.v))
+
+    def device_kv_next(self) -> int:
+        """An upper bound on :meth:`device_kv_bytes` after one more decode step (buffers double as they fill)."""
+        layer = self.layers[0]
+        if not layer.is_initialized:
+            return 0
+        cap = layer.k.shape[2]
+        new_cap = cap if layer.S + 1 <= cap else max(layer.S + 1, 2 * cap, 64)
+        return self.device_kv_bytes() // cap * new_cap if cap else 0
+
+    def host_kv_bytes(self) -> int:
+        return 0

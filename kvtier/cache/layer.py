@@ -97,8 +97,8 @@ class TieredLayer(KVTierLayer):
         B, H, _, D = self.dev_k.shape
         nk = torch.zeros(B, H, cap0 + cap_t, D, dtype=self.dev_k.dtype, device=self.dev_k.device)
         nv = torch.zeros_like(nk)
-        c = self.cap0
-        nk[:, :, :c], nv[:, :, :c] = self.k0, self.v0
+        c = min(self.cap0, cap0)  # a device limit can shrink T0: its tokens beyond cap0 were relocated first
+        nk[:, :, :c], nv[:, :, :c] = self.k0[:, :, :c], self.v0[:, :, :c]
         if keep_tail:
             nk[:, :, cap0 : cap0 + keep_tail] = self.tail_k[:, :, :keep_tail]
             nv[:, :, cap0 : cap0 + keep_tail] = self.tail_v[:, :, :keep_tail]
@@ -156,9 +156,13 @@ class TieredLayer(KVTierLayer):
         dt, dev = self.dev_k.dtype, self.device
         # 1. read every moving token from where it is now, before any slot it frees is reused
         got = {x: [(mv, self._fetch(mv, tail)) for mv in lay.moves.get(x, [])] for x in (T0, T1, T2)}
-        # 2. grow buffers whose tier outgrew them (the tail's tokens were read in 1: its columns start empty)
-        if lay.tiers[T0].cap > self.cap0:
-            self._alloc_device(lay.tiers[T0].cap, self.tail_k.shape[2], keep_tail=0)
+        # 2. resize buffers whose tier outgrew them, or that a device limit shrinks (the tail's tokens were read in
+        # 1: its columns start empty; a full cache turned tiered under memory pressure gives back its long tail)
+        cap_t = min(self.tail_k.shape[2], _roundup(st.cfg.retier_interval, min(_TAIL_GRANULE, st.cfg.retier_interval)))
+        if lay.tiers[T0].cap > self.cap0 or (st.t0_limit is not None and (lay.tiers[T0].cap < self.cap0
+                                                                           or cap_t < self.tail_k.shape[2])):
+            self._alloc_device(lay.tiers[T0].cap, cap_t if st.t0_limit is not None else self.tail_k.shape[2],
+                               keep_tail=0)
         self._resized(("k1", "v1"), lay.tiers[T1].cap, host=True)
         self._resized(("k2", "v2", "k2s", "v2s"), lay.tiers[T2].cap, host=True)
         # 3. write them into their new slots

@@ -20,7 +20,7 @@ from ..attention.host import HostAttention, stream_rows_for
 from ..attention.merge import mask_bias, partial
 from ..config import ATTENTION_MODES, T1_MODES, TierConfig, check_modes  # noqa: F401 (re-exported)
 from ..tiers.layout import TAIL, Layout, build_layout, gather_rows
-from ..tiers.planner import PAD, T0, T1, T2, T3, assign_tiers, protected_mask
+from ..tiers.planner import PAD, T0, T1, T2, T3, assign_tiers, limit_t0, protected_mask
 from ..transfer import TransferEngine, memcpy_peak_gbps
 from .base import check_update, prompt_validity
 
@@ -63,6 +63,9 @@ class TierState:
         # the fused CPU kernel attends every tier in place)
         self.fixed_stream_rows: int | None = None
         self.recorder = None  # a kvtier.tiers.tiermap.TierRecorder when make_cache(..., record_tiers=...) asked for one
+        # memory pressure (a server's device-KV budget): at most this many T0 tokens per row, the rest of what the
+        # planner would put there goes to T1 (exact); None: the ratios alone decide. Set by :meth:`limit_device`.
+        self.t0_limit: int | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -86,6 +89,7 @@ class TierState:
         self.version = 0
         self.decode_steps = 0
         self.since_retier = 0
+        self.retier_now = False  # a new device limit waits for the next update to take effect
         self.retiers = 0
         self.changed_total: dict[str, int] = {}
         self.stream_rows = 0  # rows [0, stream_rows) stream their T1/T2 to the device, the rest attend them on the host
@@ -184,7 +188,7 @@ class TierState:
             self._init(k)
         is_decode = self.n_total > 0
         if is_decode:
-            if self.retier_enabled and self.since_retier >= self.cfg.retier_interval:
+            if self.retier_enabled and (self.since_retier >= self.cfg.retier_interval or self.retier_now):
                 self.retier()
             elif self.recorder is not None and not self.retier_enabled and self.recorder.due(self.decode_steps):
                 self.recorder.note(self.decode_steps, self.codes())
@@ -254,7 +258,10 @@ class TierState:
         valid = self.valid[:, :n]
         prot = protected_mask(valid, self.prompt[:, :n], cfg)
         evicted = self.loc_tier[:, :n] == T3
-        return assign_tiers(scores[:, :n], valid, prot, evicted, cfg)
+        tiers = assign_tiers(scores[:, :n], valid, prot, evicted, cfg)
+        if self.t0_limit is not None:
+            tiers = limit_t0(tiers, scores[:, :n], prot, torch.full((self.batch,), self.t0_limit, dtype=torch.long))
+        return tiers
 
     def place_prefill(self) -> None:
         """The prompt's placement, right after prefill: T0 gets the protected set and the budget (scores are all 0
@@ -268,6 +275,7 @@ class TierState:
         self._apply(tiers, None)
 
     def retier(self) -> None:
+        self.retier_now = False
         combined = self.combined_scores()
         self._apply(self.plan(combined), combined)
         self.retiers += 1
@@ -276,7 +284,8 @@ class TierState:
     def _apply(self, tiers: torch.Tensor, combined: torch.Tensor | None) -> None:
         n = self.n_total
         was_host = self.host_attn
-        self.layout = build_layout(tiers, self.valid[:, :n], self.loc_tier, self.loc_idx, self.layout)
+        self.layout = build_layout(tiers, self.valid[:, :n], self.loc_tier, self.loc_idx, self.layout,
+                                   t0_max=self.t0_limit)
         self.version += 1
         if self.recorder is not None:
             self.recorder.note(self.decode_steps, tiers)

@@ -8,11 +8,12 @@ from typing import Any
 import torch
 
 from ..config import TierConfig
-from ..tiers.layout import TAIL
+from ..tiers.layout import TAIL, grown_capacity
 from ..tiers.planner import T0, T1, T2, T3
+from ..tiers.quant import int8_bytes_per_token
 from .base import ShapeGuardedCache
 from .layer import TieredLayer
-from .state import TierState
+from .state import _TAIL_GRANULE, _WORK_ALIGN, TierState, _roundup
 from .stats import cache_stats
 
 
@@ -78,3 +79,90 @@ class KVTierCache(ShapeGuardedCache):
         valid, lt = st.valid[row, :n], st.loc_tier[row, :n]
         count = lambda m: int((m & valid).sum())  # noqa: E731
         return {"T0": count((lt == T0) | (lt == TAIL)), "T1": count(lt == T1), "T2": count(lt == T2), "T3": count(lt == T3)}
+
+    # ---- device memory under a budget (continuous batching) -----------------------------------------------
+    @property
+    def can_limit(self) -> bool:
+        """This cache can move device tokens to T1 on demand (:meth:`limit_device`): every policy of the family
+        whose rest goes to T1 (a ``full`` cache becomes a tiered cache with no eviction)."""
+        return self.state.cfg.rest_tier == "T1"
+
+    def limit_device(self, t0_tokens: int | None) -> None:
+        """Keep at most ``t0_tokens`` tokens per row in T0 from the next update on (the coldest of the rest go to
+        T1, exactly attended); None lifts the limit (tokens come back at the next regular reassignment).
+
+        The device then holds at most ``t0_tokens`` + :meth:`tail_reserve` tokens per row. A ``full`` cache is
+        turned into a tiered one with no eviction or quantization, which changes its output only by the split
+        attention's rounding (Proposition 1)."""
+        st = self.state
+        if t0_tokens is not None:
+            if isinstance(t0_tokens, bool) or not isinstance(t0_tokens, int) or t0_tokens < 0:
+                raise ValueError(f"t0_tokens must be an integer >= 0 or None, got {t0_tokens!r}")
+            if not self.can_limit:
+                raise ValueError(f"policy {self.policy!r} keeps its rest in {st.cfg.rest_tier}, not T1: its device "
+                                 "tokens cannot move to host memory without changing its output")
+            if not st.retier_enabled:
+                st.retier_enabled = True  # full -> tiered: the whole cache is its tail until the next update
+        changed = t0_tokens != st.t0_limit
+        st.t0_limit = t0_tokens
+        if changed and t0_tokens is not None and st.n_total > 0:
+            st.retier_now = True
+
+    def tail_reserve(self) -> int:
+        """Device columns a row's tail can take between reassignments (tokens since the last one)."""
+        d = self.state.cfg.retier_interval
+        return _roundup(d, min(_TAIL_GRANULE, d))
+
+    def _col_bytes(self) -> int:
+        """Bytes of one device column (one token of one row) over all layers, K and V."""
+        st = self.state
+        elem = torch.empty(0, dtype=st.dtype).element_size()
+        return st.num_layers * st.batch * st.n_heads * st.head_dim * 2 * elem
+
+    def device_kv_bytes(self) -> int:
+        """Device bytes of this cache's K/V buffers now (T0 + tail, all layers) plus its staging slots."""
+        st = self.state
+        if st.batch is None:
+            return 0
+        return sum(layer._device_bytes() for layer in self.layers if layer.is_initialized) + st.engine.staging_bytes()
+
+    def device_kv_next(self) -> int:
+        """An upper bound on :meth:`device_kv_bytes` after one more decode step (its token appended, a
+        reassignment if one is due), from the allocation rules of :mod:`kvtier.cache.layer`."""
+        st = self.state
+        if st.batch is None:
+            return 0
+        layer = self.layers[0]
+        cap0, cap_t = layer.cap0, layer.tail_k.shape[2]
+        d = st.cfg.retier_interval
+        g = min(_TAIL_GRANULE, d)
+        if st.retier_enabled and (st.since_retier >= d or st.retier_now):
+            if st.t0_limit is not None:
+                cap0, cap_t = st.t0_limit, min(cap_t, self.tail_reserve())
+            else:
+                cap0 = grown_capacity(max(cap0, st.n_total), cap0)
+            cap_t = max(cap_t, g)
+        else:
+            need = st.n_total + 1 - st.layout.n_main + (0 if st.retier_enabled else 1)
+            if need > cap_t:
+                cap_t = _roundup(need, g if st.retier_enabled else _WORK_ALIGN)
+        col = self._col_bytes()
+        staging = st.engine.staging_bytes()
+        if st.stream_rows > 0 or st.attention == "ordered" or st.t1_on_device or st.t1_attention == "stream":
+            # host tiers streamed through staging slots (at most every token at its tier's capacity, one layer per
+            # slot) and, on the ordered path, one layer's position-ordered work buffers of every kept token
+            n = st.n_total + 1
+            slots = st.num_layers if st.t1_on_device else 1
+            per_layer = slots * grown_capacity(n, 0) + (_roundup(n + 1, _WORK_ALIGN) if st.attention == "ordered" else 0)
+            staging = max(staging, per_layer * col // st.num_layers)
+        return (cap0 + cap_t) * col + staging
+
+    def host_kv_bytes(self) -> int:
+        """Host bytes of the T1 and T2 tokens (as :meth:`stats` counts them)."""
+        st = self.state
+        if st.batch is None or st.layout is None:
+            return 0
+        elem = torch.empty(0, dtype=st.dtype).element_size()
+        lay = st.layout
+        return (lay.tiers[T1].count * st.num_layers * st.n_heads * st.head_dim * 2 * elem
+                + lay.tiers[T2].count * int8_bytes_per_token(st.num_layers, st.n_heads, st.head_dim))

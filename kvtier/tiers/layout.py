@@ -107,7 +107,8 @@ class Layout:
 
 
 def _stable_slots(new_x: torch.Tensor, stay: torch.Tensor, old_slot: torch.Tensor) -> torch.Tensor:
-    """(B, N) long slot of every token of a tier: stayers keep theirs, entrants take the lowest free slots."""
+    """(B, N) long slot of every token of a tier: stayers keep theirs, entrants take the lowest free slots.
+    A caller that shrinks the tier counts a stayer beyond the new width as an entrant (it is relocated)."""
     slot = torch.full(new_x.shape, -1, dtype=torch.long)
     slot[stay] = old_slot[stay]
     enter = new_x & ~stay
@@ -122,7 +123,7 @@ def _stable_slots(new_x: torch.Tensor, stay: torch.Tensor, old_slot: torch.Tenso
 
 
 def build_layout(tiers: torch.Tensor, valid: torch.Tensor, loc_tier: torch.Tensor, loc_idx: torch.Tensor,
-                 old: Layout) -> Layout:
+                 old: Layout, t0_max: int | None = None) -> Layout:
     """New layout from a tier assignment, with the moves from the current locations.
 
     Args:
@@ -131,6 +132,8 @@ def build_layout(tiers: torch.Tensor, valid: torch.Tensor, loc_tier: torch.Tenso
         loc_tier: (B, N) int8 current tier (TAIL for positions >= ``old.n_main``), updated in place.
         loc_idx: (B, N) long current slot (tail column for TAIL), updated in place.
         old: the current layout (its capacities carry over).
+        t0_max: T0's capacity may not exceed this many slots (a device limit; every row's T0 count must fit):
+            T0 then shrinks to it, and its tokens in slots beyond it are relocated below it (T0 -> T0 moves).
     """
     B, N = tiers.shape
     kept = tiers != T3  # padding keeps its column (masked) so the working layout matches the full cache
@@ -147,16 +150,23 @@ def build_layout(tiers: torch.Tensor, valid: torch.Tensor, loc_tier: torch.Tenso
     for x in STORED_TIERS:
         new_x = tiers == x
         stay = new_x & (old_t == x)
+        limit = t0_max if x == T0 else None
+        if limit is not None:
+            if bool((new_x.sum(1) > limit).any()):
+                raise ValueError(f"a row has more T0 tokens than the device limit of {limit} slots")
+            stay = stay & (old_i < limit)
         slot = _stable_slots(new_x, stay, old_i)
         bx, px = torch.nonzero(new_x, as_tuple=True)
         sx = slot[bx, px]
         width = int(sx.max()) + 1 if sx.numel() else 0
-        by_tier[x] = TierTokens(bx, px, col[bx, px], sx, width, grown_capacity(width, old.tiers[x].cap))
+        cap = grown_capacity(width, old.tiers[x].cap)
+        by_tier[x] = TierTokens(bx, px, col[bx, px], sx, width, cap if limit is None else min(cap, limit))
         moves[x] = []
         for y in (T0, TAIL, T1, T2):
-            if y == x:
-                continue
-            mb, mp = torch.nonzero(new_x & (old_t == y), as_tuple=True)
+            moving = new_x & (old_t == y)
+            if y == x:  # relocated below a shrunk capacity
+                moving = moving & ~stay
+            mb, mp = torch.nonzero(moving, as_tuple=True)
             if mb.numel():
                 moves[x].append(Move(y, old_i[mb, mp], slot[mb, mp], mb))
 

@@ -136,3 +136,45 @@ def assign_tiers_reference(
             else:
                 out[r, p] = REST[cfg.rest_tier]
     return out
+
+
+def limit_t0(tiers: torch.Tensor, scores: torch.Tensor, protected: torch.Tensor, limit: torch.Tensor) -> torch.Tensor:
+    """Cap each row's T0 at ``limit[b]`` tokens (memory pressure): the T0 tokens that rank lowest go to T1.
+
+    T1 is exact, so this changes no output beyond the split attention's rounding (Proposition 1). Rank, highest
+    kept first: unprotected tokens leave before protected ones (the protected set stays on the device while it
+    fits), then lower score first, then older first (the planner's tie rule).
+
+    Args:
+        tiers: (B, N) int8 from :func:`assign_tiers`; scores: (B, N) float; protected: (B, N) bool;
+        limit: (B,) long, tokens each row may keep in T0 (>= 0).
+    Returns:
+        (B, N) int8, ``tiers`` with the demoted T0 tokens in T1.
+    """
+    B, N = tiers.shape
+    on0 = tiers == T0
+    if not bool((on0.sum(1) > limit.cpu()).any()):
+        return tiers
+    pos = torch.arange(N).expand(B, N)
+    # stable sorts from the least significant key to the most: position (newer first), score, protected
+    order = torch.sort(pos, dim=1, descending=True, stable=True).indices
+    for key in (scores.cpu().double(), protected.cpu().double()):
+        k = torch.where(on0, key, torch.full_like(key, float("-inf"))).gather(1, order)
+        order = order.gather(1, torch.sort(k, dim=1, descending=True, stable=True).indices)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(N).expand(B, N).contiguous())
+    out = tiers.clone()
+    out[on0 & (rank >= limit.cpu().view(B, 1))] = T1
+    return out
+
+
+def limit_t0_reference(tiers: torch.Tensor, scores: torch.Tensor, protected: torch.Tensor,
+                       limit: torch.Tensor) -> torch.Tensor:
+    """Naive per-row version of :func:`limit_t0`, written as the rule reads (for tests)."""
+    out = tiers.clone()
+    for r in range(tiers.shape[0]):
+        t0 = [p for p in range(tiers.shape[1]) if int(tiers[r, p]) == T0]
+        t0.sort(key=lambda p: (bool(protected[r, p]), float(scores[r, p]), p), reverse=True)
+        for p in t0[int(limit[r]):]:
+            out[r, p] = T1
+    return out
