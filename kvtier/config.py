@@ -151,3 +151,21 @@ def check_modes(policy: str, attention: str, t1_attention: str = "auto", t1_on_d
                          "attends every kept token in one softmax on the device")
     if t1_on_device and t1_attention == "host":
         raise ValueError(f"t1_on_device=True keeps T1 on the device; it contradicts t1_attention='host' for policy {policy!r}")
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
+          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
+
+
+def parse_bytes(name: str, text: str) -> int:
+    """``"512MiB"``, ``"2GiB"``, ``"1.5GB"`` or a plain number of bytes -> bytes (>= 1); a clear error otherwise."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise ValueError(f"{name} must be a size in bytes, like 536870912, 512MiB or 2GiB, got {text!r}")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 1:
+        raise ValueError(f"{name} must be at least 1 byte, got {text!r}")
+    return n

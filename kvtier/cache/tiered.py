@@ -148,7 +148,8 @@ class KVTierCache(ShapeGuardedCache):
                 cap_t = _roundup(need, g if st.retier_enabled else _WORK_ALIGN)
         col = self._col_bytes()
         staging = st.engine.staging_bytes()
-        if st.stream_rows > 0 or st.attention == "ordered" or st.t1_on_device or st.t1_attention == "stream":
+        streams = st.retier_enabled and (st.stream_rows > 0 or st.t1_on_device or st.t1_attention == "stream")
+        if streams or st.attention == "ordered":  # (a full cache has no host tiers to stream)
             # host tiers streamed through staging slots (at most every token at its tier's capacity, one layer per
             # slot) and, on the ordered path, one layer's position-ordered work buffers of every kept token
             n = st.n_total + 1

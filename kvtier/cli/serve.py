@@ -27,8 +27,17 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="address to listen on (0.0.0.0: every interface)"),
     port: int = typer.Option(8000),
     served_name: Optional[str] = typer.Option(None, help="the model id clients send and /v1/models lists (default --model)"),
-    max_batch: int = typer.Option(8, help="requests decoded together in one batch"),
+    max_batch: int = typer.Option(8, help="rows decoded together (continuous: running rows; static: one batch)"),
     max_queue: int = typer.Option(64, help="requests that may wait for a batch; beyond it, 429 with Retry-After"),
+    scheduler: str = typer.Option("continuous", help="continuous: requests join the running batch after their "
+                                                     "prefill; static: batches through generate (as before)"),
+    device_kv_budget: Optional[str] = typer.Option(None, help="device K/V bytes for all rows, e.g. 512MiB or 2GiB "
+                                                              "(default: CUDA 0.9 of free memory, CPU no limit)"),
+    device_kv_fraction: float = typer.Option(0.9, help="on CUDA without --device-kv-budget: share of free memory"),
+    host_kv_budget: Optional[str] = typer.Option(None, help="host K/V bytes (T1/T2) for all rows (default: half "
+                                                            "the RAM free at start)"),
+    on_pressure: str = typer.Option("demote", help="when the budget is full: demote (device tokens to host "
+                                                   "memory, exact), queue (admit at peak only), recompute (preempt)"),
     max_new_tokens: Optional[int] = typer.Option(None, help="cap on a request's max_tokens (default 4096 GPU, 512 CPU)"),
     max_prompt_tokens: Optional[int] = typer.Option(None, help="longest prompt accepted (default: the model's positions)"),
     request_timeout: float = typer.Option(600.0, help="seconds from arrival; a request still running ends there"),
@@ -79,15 +88,22 @@ def serve(
                                  max_prompt_tokens=max_prompt_tokens, request_timeout_s=request_timeout,
                                  reasoning=reasoning, api_keys=keys, protect_metrics=protect_metrics,
                                  max_body_bytes=max_body_bytes, max_stream_buffer=max_stream_buffer)
-        ecfg = EngineConfig(max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait)
+        from ..config import parse_bytes
+
+        ecfg = EngineConfig(max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait, scheduler=scheduler,
+                            device_kv_budget=None if device_kv_budget is None
+                            else parse_bytes("--device-kv-budget", device_kv_budget),
+                            device_kv_fraction=device_kv_fraction, on_pressure=on_pressure,
+                            host_kv_budget=None if host_kv_budget is None else parse_bytes("--host-kv-budget", host_kv_budget))
         resolve_dtype(dtype, resolve_device(device))
         m, tok = kvtier.load_model(model, device=device, dtype=dtype)
         settings.position_limit = getattr(m.config, "max_position_embeddings", None)
         shown = ", ".join(f"{k} {v}" for k, v in params.items())
 
         def ready(server):
+            eng = server.config.app.state.server.engine
             console.print(f"kvtier serve: {settings.served_name} on http://{host}:{port}/v1 · policy {policy}"
-                          f"{f' ({shown})' if shown else ''} · batch {max_batch}, queue {max_queue}"
+                          f"{f' ({shown})' if shown else ''} · {eng.describe()}, queue {max_queue}"
                           + (f" · {len(keys)} API key(s)" if keys else " · no API key"), highlight=False)
 
         run_server(m, tok, settings, ecfg, host=host, port=port, grace_s=grace, on_ready=ready)

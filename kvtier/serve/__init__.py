@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from .engine import Engine, EngineConfig, GenRequest, QueueFull, ShuttingDown
+from .engine import Engine, EngineConfig, GenRequest, QueueFull, ShuttingDown, make_engine
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +37,7 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
         log.warning("kvtier serve listens on %s without an API key: anyone who can reach it can use it "
                     "(--api-key or KVTIER_API_KEY)", host)
 
-    engine = Engine(model, tokenizer, engine_cfg)
+    engine = make_engine(model, tokenizer, engine_cfg)
     app = create_app(engine, settings)
     app.state.grace_s = grace_s
 
@@ -65,4 +65,4 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
             signal.signal(s, h)
 
 
-__all__ = ["Engine", "EngineConfig", "GenRequest", "QueueFull", "ShuttingDown", "serve"]
+__all__ = ["Engine", "EngineConfig", "GenRequest", "QueueFull", "ShuttingDown", "make_engine", "serve"]

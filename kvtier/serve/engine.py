@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -51,14 +52,55 @@ class EngineConfig:
     max_queue: int = 64
     batch_wait_s: float = 0.02  # after the first arrival, how long to wait for companions before starting
     stats_every: int = 16  # decode steps between refreshes of the live KV metrics
+    scheduler: str = "continuous"  # or "static": batches through model.generate, as before continuous batching
+    device_kv_budget: int | None = None  # bytes of device K/V for all rows (None: CUDA -> a fraction, CPU -> no limit)
+    device_kv_fraction: float = 0.9  # on CUDA without a budget: this share of the memory free after the weights
+    host_kv_budget: int | None = None  # bytes of host K/V (T1/T2) for all rows (None: half the RAM free at start)
+    on_pressure: str = "demote"  # "demote" | "queue" | "recompute" (see kvtier.serve.scheduler)
 
     def __post_init__(self) -> None:
+        from .scheduler import PRESSURE_MODES
+
+        if self.scheduler not in ("continuous", "static"):
+            raise ValueError(f"scheduler (--scheduler) must be 'continuous' or 'static', got {self.scheduler!r}")
+        if self.on_pressure not in PRESSURE_MODES:
+            raise ValueError(f"on_pressure (--on-pressure) must be one of {', '.join(PRESSURE_MODES)}, got {self.on_pressure!r}")
+        for name in ("device_kv_budget", "host_kv_budget"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be a number of bytes >= 1, got {v!r}")
+        f = self.device_kv_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"device_kv_fraction (--device-kv-fraction) must be in (0, 1], got {f!r}")
+        if self.scheduler == "static" and (self.device_kv_budget is not None or self.on_pressure != "demote"):
+            raise ValueError("--device-kv-budget and --on-pressure need --scheduler continuous (the static scheduler "
+                             "admits by count)")
         for name in ("max_batch", "max_queue", "stats_every"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {v!r}")
         if isinstance(self.batch_wait_s, bool) or not isinstance(self.batch_wait_s, (int, float)) or not 0 <= self.batch_wait_s <= 10:
             raise ValueError(f"batch_wait_s (--batch-wait) must be a number of seconds in [0, 10], got {self.batch_wait_s!r}")
+
+    def resolve_device_budget(self, model) -> int | None:
+        """The device-KV budget in bytes: the one given; on CUDA ``device_kv_fraction`` of the memory free now
+        (after the weights); on a CPU device none (any value given is honoured as if the memory were HBM)."""
+        if self.device_kv_budget is not None:
+            return self.device_kv_budget
+        dev = getattr(model, "device", torch.device("cpu"))
+        if dev.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(dev)
+            return int(free * self.device_kv_fraction)
+        return None
+
+    def resolve_host_budget(self) -> int | None:
+        """The host-KV budget in bytes: the one given, else half the RAM available now (None if unknown)."""
+        if self.host_kv_budget is not None:
+            return self.host_kv_budget
+        try:
+            return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * 0.5)
+        except (ValueError, OSError, AttributeError):
+            return None
 
 
 @dataclass(eq=False)  # compared by identity: two equal-looking requests are still two requests
@@ -215,6 +257,11 @@ class Engine:
         if tokenizer.eos_token_id is not None:
             self.eos.add(int(tokenizer.eos_token_id))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos or {0})
+        self.budget = self.host_budget = None
+
+    def describe(self) -> str:
+        """The startup line's account of how this engine schedules."""
+        return f"scheduler static (batches of up to {self.cfg.max_batch} through generate)"
 
     # ---- the server's side ---------------------------------------------------------------------------
     @property
@@ -355,6 +402,16 @@ class Engine:
         finally:
             rows = cache = None  # noqa: F841  (drop the batch's KV before the next one is built)
             gc.collect()
+
+
+def make_engine(model, tokenizer, cfg: EngineConfig | None = None) -> Engine:
+    """The engine ``cfg.scheduler`` names: continuous batching (default) or the static batches."""
+    cfg = cfg or EngineConfig()
+    if cfg.scheduler == "static":
+        return Engine(model, tokenizer, cfg)
+    from .continuous import ContinuousEngine
+
+    return ContinuousEngine(model, tokenizer, cfg)
 
 
 def _safe_sink(r: GenRequest, event: tuple) -> None:

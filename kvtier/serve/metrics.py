@@ -28,6 +28,17 @@ class Metrics:
         self.ttft_le = [0] * len(self.TTFT_BOUNDS)  # cumulative histogram of arrival -> first token
         self.ttft_n, self.ttft_sum = 0, 0.0
         self._recent: deque = deque()  # (time, tokens) of the last window
+        # continuous batching under a device-KV budget (kvtier.serve.continuous)
+        self.steps = 0
+        self.device_kv_budget: int | None = None
+        self.device_kv_bytes_now = 0
+        self.device_kv_peak = 0
+        self.host_kv_bytes_now = 0
+        self.budget_violations = 0  # steps that ended over the budget (0 unless the accounting is wrong)
+        self.demoted_tokens = 0
+        self.promoted_tokens = 0
+        self.preemptions = 0
+        self.recomputed_tokens = 0
 
     def observe_ttft(self, x: float) -> None:
         self.ttft_n += 1
@@ -80,6 +91,22 @@ def _collector(srv):
             yield CounterMetricFamily("kvtier_reassignments", "tier reassignments (summed over batches)", value=m.reassignments)
             yield GaugeMetricFamily("kvtier_live_caches", "KV caches still referenced (0 when idle)",
                                     value=len(eng.live_caches))
+            yield GaugeMetricFamily("kvtier_running_rows", "rows decoding now (continuous batching)", value=eng.running)
+            yield GaugeMetricFamily("kvtier_device_kv_budget_bytes", "device-KV budget (0: none)",
+                                    value=m.device_kv_budget or 0)
+            yield GaugeMetricFamily("kvtier_device_kv_bytes", "device K/V of the running rows now, from their caches",
+                                    value=m.device_kv_bytes_now)
+            yield GaugeMetricFamily("kvtier_device_kv_peak_bytes", "highest device K/V after any prefill or step",
+                                    value=m.device_kv_peak)
+            yield CounterMetricFamily("kvtier_demoted_tokens", "tokens moved from the device to host memory by memory "
+                                      "pressure", value=m.demoted_tokens)
+            yield CounterMetricFamily("kvtier_promoted_tokens", "tokens of demoted rows moved back to the device",
+                                      value=m.promoted_tokens)
+            yield CounterMetricFamily("kvtier_preemptions", "rows preempted (recomputed later)", value=m.preemptions)
+            yield CounterMetricFamily("kvtier_recomputed_tokens", "tokens prefilled again after a preemption",
+                                      value=m.recomputed_tokens)
+            yield CounterMetricFamily("kvtier_budget_violations", "steps that ended over the device-KV budget",
+                                      value=m.budget_violations)
             buckets = [(str(b), c) for b, c in zip(m.TTFT_BOUNDS, m.ttft_le)] + [("+Inf", m.ttft_n)]
             yield HistogramMetricFamily("kvtier_time_to_first_token_seconds", "arrival to first token",
                                         buckets=buckets, sum_value=m.ttft_sum)

@@ -1,0 +1,394 @@
+"""The continuous-batching engine: its own decode loop over rows, each with its own cache; requests join the running batch after their prefill and leave it the step they finish, under a device-KV budget.
+
+Per loop iteration (one generation thread owns the model):
+1. the wait list loses requests that were cancelled or expired (error events, as in the static engine);
+2. :func:`kvtier.serve.scheduler.decide` looks at every running row's device bytes after the next step (the
+   caches' own bound, :meth:`~kvtier.cache.tiered.KVTierCache.device_kv_next`) and the waiting requests' needs,
+   and the engine applies its decision: T0 limits (demotion to T1, exact; or growth back), preemptions (the row's
+   cache is dropped and its request goes back to the head of the wait list with what it generated, to be
+   recomputed: nothing it already sent is sent again), rejections (HTTP 400 naming ``--device-kv-budget``) and
+   admissions: each admitted request is prefilled alone, in its own one-row cache, and draws its first token;
+3. one decode step over every running row (:class:`kvtier.cache.rows.RowsCache`): each row's attention runs through
+   its own cache, exactly as if it decoded alone; each row samples from its own settings and seed;
+4. rows that finished (end of sequence, ``max_tokens``, a stop string, deadline, a client that left) free their
+   slot and their bytes at once; the device bytes of all rows are summed from the caches and checked against the
+   budget after every prefill and every step (``kvtier_device_kv_peak_bytes``; a breach is counted and logged).
+
+Events go to each request's ``sink`` exactly as from :class:`kvtier.serve.engine.Engine` (the static engine).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import random
+import time
+
+import torch
+
+from ..tiers.layout import grown_capacity
+from .engine import Engine, GenRequest, _safe_sink
+from .scheduler import Decision, RowNeed, WaitNeed, decide
+
+log = logging.getLogger(__name__)
+
+
+class _Row:
+    """One running request: its cache, its text state, its sampler and what it generated."""
+
+    def __init__(self, req: GenRequest, tokenizer) -> None:
+        from .text import Assembler, Detokenizer
+
+        self.req = req
+        self.cache = None
+        self.detok = Detokenizer(tokenizer)
+        self.text = Assembler(req.stop, req.separate_reasoning, req.in_think)
+        self.generated: list[int] = []  # every token drawn (an end-of-sequence token included)
+        self.done = False
+        self.sampler = None
+        if req.temperature > 0:
+            from ..eval.sampling import RowSampler
+
+            seed = req.seed if req.seed is not None else random.getrandbits(62)
+            self.sampler = RowSampler([seed], req.temperature, req.top_p)
+        self.preemptions = 0
+        self.recomputed = 0
+        self.demoted = 0
+        self.waited = 0.0
+        self.queued_at = req.arrived
+        self.first_token = False
+        self.peak_device = 0
+
+
+class ContinuousEngine(Engine):
+    """Continuous batching over one-row caches, admitted under ``cfg.device_kv_budget`` (see the module doc)."""
+
+    def __init__(self, model, tokenizer, cfg=None):
+        super().__init__(model, tokenizer, cfg)
+        self.rows: list[_Row] = []
+        self._resumed: dict[int, _Row] = {}  # request id -> its row, while a preempted request waits
+        self.budget = self.cfg.resolve_device_budget(model)
+        self.host_budget = self.cfg.resolve_host_budget()
+        m = self.metrics
+        m.device_kv_budget = self.budget
+        c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+        head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        elem = torch.empty(0, dtype=model.dtype).element_size()
+        self.col_bytes = int(c.num_hidden_layers) * heads * head_dim * 2 * elem  # one token, all layers, K and V
+
+    @property
+    def running(self) -> int:
+        return self._running
+
+    def describe(self) -> str:
+        b = "no device-KV budget" if self.budget is None else f"device-KV budget {self.budget / 2**20:.1f} MiB"
+        h = "" if self.host_budget is None else f", host-KV budget {self.host_budget / 2**30:.1f} GiB"
+        return f"scheduler continuous (up to {self.cfg.max_batch} rows), {b}{h}, on pressure: {self.cfg.on_pressure}"
+
+    # ---- the generation thread ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self.waiting and not self.rows and not self._stop:
+                    self._cv.wait()
+                if not self.waiting and not self.rows:
+                    return
+            try:
+                self._drop_gone()
+                started = self._schedule()
+                if self.rows:
+                    self._step()
+                elif self.waiting and not started:
+                    time.sleep(0.01)  # nothing fits and nothing runs: requests are being rejected or expire
+            except Exception as e:  # a failed step ends its rows with an error; the server goes on
+                log.exception("a continuous step failed")
+                for row in list(self.rows):
+                    self._fail(row, e)
+            if not self.rows and not self.waiting:
+                gc.collect()  # idle: the released caches' objects go too (live caches back to 0)
+
+    def _drop_gone(self) -> None:
+        now = time.monotonic()
+        with self._cv:
+            gone = [r for r in self.waiting if r.cancelled or now > r.deadline or self.cancel_all]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone:
+            row = self._resumed.pop(r.id, None)
+            if row is not None:  # a preempted request: it had started streaming, so it ends like a row
+                self.rows.append(row)
+                self._running += 1
+                self._finish(row, "cancelled" if r.cancelled or self.cancel_all else "timeout")
+            elif not r.cancelled:
+                _safe_sink(r, ("error", 504 if now > r.deadline else 503, "the request timed out while waiting"
+                               if now > r.deadline else "the server shut down before this request started"))
+
+    # ---- scheduling ---------------------------------------------------------------------------------
+    def _row_need(self, row: _Row) -> RowNeed:
+        c = row.cache
+        st = c.state
+        nxt = c.device_kv_next()
+        host = c.host_kv_bytes()
+        due = getattr(st, "retier_enabled", False) and st.t0_limit is not None
+        tail = (st.n_total - st.layout.n_main) * self.col_bytes if due else 0
+        n_max = len(row.req.prompt_ids) + row.req.max_tokens
+        return RowNeed(key=row.req.id, next_bytes=nxt, col_bytes=self.col_bytes, reserve=self._reserve(row.req),
+                       can_limit=bool(c.can_limit), generated=len(row.generated), arrived=row.req.arrived,
+                       host_bytes=host, host_next=host + tail, t0_limit=getattr(st, "t0_limit", None),
+                       tokens=st.n_total, peak_bytes=self._peak_bytes(n_max), device_tokens=c.row_tokens(0)["T0"])
+
+    def _reserve(self, req: GenRequest) -> int:
+        d = int(req.params.get("retier_interval", 64))
+        g = min(64, d)
+        return (d + g - 1) // g * g
+
+    def _peak_bytes(self, n: int) -> int:
+        """Device bytes of a row of ``n`` tokens all on the device (a ``full`` row's buffers: 256-column granules)."""
+        return max((n + 1 + 255) // 256 * 256, grown_capacity(n, 0) + 64) * self.col_bytes
+
+    def _wait_need(self, req: GenRequest) -> WaitNeed:
+        from ..policies import POLICIES
+
+        n = len(req.prompt_ids) + (len(self._resumed[req.id].generated) if req.id in self._resumed else 0)
+        cls = POLICIES[req.policy]
+        can_limit = getattr(cls, "family", "") in ("reference", "hierarchy") and req.params.get("rest_tier", "T1") == "T1"
+        reserve = self._reserve(req)
+        return WaitNeed(key=req.id, start_bytes=self._peak_bytes(n + 1), min_bytes=reserve * self.col_bytes,
+                        peak_bytes=self._peak_bytes(len(req.prompt_ids) + req.max_tokens),
+                        col_bytes=self.col_bytes, reserve=reserve, can_limit=can_limit, tokens=n)
+
+    def _schedule(self) -> int:
+        with self._cv:
+            waiting = list(self.waiting)
+        needs = [self._wait_need(r) for r in waiting]
+        d: Decision = decide([self._row_need(r) for r in self.rows], needs, self.budget, self.host_budget,
+                             self.cfg.on_pressure, self.cfg.max_batch)
+        by_id = {r.req.id: r for r in self.rows}
+        for key in d.preempt:
+            self._preempt(by_id[key])
+        for key, t0 in d.limits.items():
+            row = by_id.get(key)
+            if row is None or row.done:
+                continue
+            if t0 is not None:
+                before = row.cache.row_tokens(0)["T0"]
+                row.demoted += max(0, before - t0)
+                self.metrics.demoted_tokens += max(0, before - t0)
+            row.cache.limit_device(t0)
+        reqs = {r.id: r for r in waiting}
+        for key in d.reject:
+            r = reqs[key]
+            with self._cv:
+                self._remove_waiting(r)
+            self._resumed.pop(r.id, None)
+            need = self._wait_need(r)
+            mode = self.cfg.on_pressure
+            least = need.peak_bytes if mode == "queue" else need.min_bytes if mode == "demote" else need.start_bytes
+            what = "its prompt + max_tokens" if mode == "queue" else "its prompt" if mode == "recompute" or not \
+                need.can_limit else f"its device tail ({need.reserve} tokens)"
+            _safe_sink(r, ("error", 400, f"--device-kv-budget is {self.budget} bytes, and this request needs at least "
+                           f"{least} bytes of device KV for {what} ({len(r.prompt_ids)} prompt tokens, "
+                           f"--on-pressure {mode}); raise --device-kv-budget or send a shorter request"))
+        for key, t0 in d.admit:
+            r = reqs[key]
+            with self._cv:
+                if not self._remove_waiting(r):
+                    continue  # cancelled meanwhile
+            self._start(r, t0)
+        return len(d.admit)
+
+    def _remove_waiting(self, r: GenRequest) -> bool:
+        try:
+            self.waiting.remove(r)
+            return True
+        except ValueError:
+            return False
+
+    # ---- rows ---------------------------------------------------------------------------------------
+    def _start(self, req: GenRequest, t0: int | None) -> None:
+        """Prefill ``req`` alone in a new cache (its prompt and, after a preemption, what it generated) and draw
+        its next token; it joins the running rows."""
+        import kvtier
+
+        row = self._resumed.pop(req.id, None)
+        resumed = row is not None
+        if row is None:
+            row = _Row(req, self.tokenizer)
+            self._running += 1
+        row.waited += time.monotonic() - row.queued_at
+        self.rows.append(row)
+        try:
+            cache = kvtier.make_cache(req.policy, self.model, **req.params)
+            if t0 is not None:
+                cache.limit_device(t0)
+                row.demoted += max(0, len(req.prompt_ids) - t0)
+            self.live_caches.add(cache)
+            row.cache = cache
+            ids = list(req.prompt_ids) + row.generated
+            if resumed:
+                row.recomputed += len(ids)
+                self.metrics.recomputed_tokens += len(ids)
+            self.metrics.prompt_tokens += len(req.prompt_ids) if not resumed else 0
+            dev = self.model.device
+            with torch.no_grad():
+                out = self.model(input_ids=torch.tensor([ids], device=dev), cache=cache, use_cache=True,
+                                 logits_to_keep=1)
+            self._note_device()
+            self._accept(row, out.logits[:, -1])
+        except Exception as e:
+            log.exception("prefill failed for request %d", req.id)
+            self._fail(row, e)
+
+    def _step(self) -> None:
+        rows = list(self.rows)
+        from ..cache.rows import RowsCache
+
+        rc = RowsCache([r.cache for r in rows])
+        dev = self.model.device
+        ids = torch.tensor([[r.generated[-1]] for r in rows], device=dev)
+        with torch.no_grad():
+            out = self.model(input_ids=ids, position_ids=rc.positions(dev), cache=rc, use_cache=True, logits_to_keep=1)
+        del rc
+        self._note_device()
+        logits = out.logits[:, -1]
+        produced = 0
+        for i, row in enumerate(rows):
+            if not row.done:
+                produced += 1
+                self._accept(row, logits[i : i + 1])
+        self.metrics.add_tokens(produced)
+        self.metrics.steps += 1
+
+    def _accept(self, row: _Row, logits: torch.Tensor) -> None:
+        """Draw the row's next token from ``logits`` (1, V) and stream it; finish the row if it is done."""
+        if row.sampler is None:
+            tok = int(logits.argmax(dim=-1))
+        else:
+            tok = int(row.sampler(None, logits.float()).argmax(dim=-1))
+        row.generated.append(tok)
+        now = time.monotonic()
+        if not row.first_token:
+            row.first_token = True
+            self.metrics.observe_ttft(now - row.req.arrived)
+        r = row.req
+        if tok in self.eos:
+            return self._finish(row, "stop")
+        piece = row.detok.push(tok)
+        if piece:
+            self._send(row, piece)
+        if row.done:  # a stop string
+            return
+        if len(row.detok.ids) >= r.max_tokens:
+            self._finish(row, "length")
+        elif r.cancelled or self.cancel_all:
+            self._finish(row, "cancelled")
+        elif now > r.deadline:
+            self._finish(row, "timeout")
+
+    def _send(self, row: _Row, piece: str, final: bool = False) -> None:
+        content, reasoning = row.text.feed(piece, final=final)
+        if content or reasoning:
+            _safe_sink(row.req, ("delta", content, reasoning))
+        if row.text.stopped and not row.done:
+            self._finish(row, "stop")
+
+    def _usage(self, row: _Row) -> dict:
+        r, c = row.req, row.cache
+        n = len(row.generated)
+        st = c.stats() if c is not None else {"transfer": {}}
+        tr = st.get("transfer", {})
+        return {
+            "prompt_tokens": len(r.prompt_ids),
+            "completion_tokens": n,
+            "total_tokens": len(r.prompt_ids) + n,
+            "kvtier": {
+                "policy": r.policy,
+                "params": dict(r.params),
+                "scheduler": "continuous",
+                "tier_tokens": c.row_tokens(0) if c is not None else None,
+                "peak_device_kv_bytes": st.get("peak_device_kv_bytes"),
+                "streamed_bytes": tr.get("stream_h2d_bytes", 0),
+                "moved_bytes": tr.get("migration_h2d_bytes", 0) + tr.get("migration_d2h_bytes", 0),
+                "reassignments": st.get("retiers", 0),
+                "demoted_tokens": row.demoted,
+                "preemptions": row.preemptions,
+                "recomputed_tokens": row.recomputed,
+                "waiting_seconds": round(row.waited, 6),
+                "seconds": time.monotonic() - r.arrived,
+            },
+        }
+
+    def _finish(self, row: _Row, reason: str) -> None:
+        if row.done:
+            return
+        row.done = True
+        if reason != "cancelled" and not row.text.stopped:
+            self._send(row, row.detok.flush(), final=True)
+        usage = self._usage(row)
+        self.metrics.finished[reason] += 1
+        self._release(row)
+        _safe_sink(row.req, ("done", reason, usage))
+
+    def _fail(self, row: _Row, e: Exception) -> None:
+        if row.done:
+            return
+        row.done = True
+        self._release(row)
+        _safe_sink(row.req, ("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+
+    def _release(self, row: _Row) -> None:
+        """The row's slot and bytes are free now (its cache's buffers dropped, not left to the collector)."""
+        if row in self.rows:
+            self.rows.remove(row)
+            self._running -= 1
+        if row.cache is not None:
+            self._count_moves(row)
+            row.cache.reset()
+            row.cache = None
+        self._note_device()
+
+    def _count_moves(self, row: _Row) -> None:
+        st = row.cache.stats()
+        self.metrics.promoted_tokens += st.get("changed_tokens", {}).get("T1->T0", 0) if row.demoted else 0
+        self.metrics.reassignments += st.get("retiers", 0)
+        tr = st.get("transfer", {})
+        self.metrics.streamed_bytes += tr.get("stream_h2d_bytes", 0)
+        self.metrics.moved_bytes += tr.get("migration_h2d_bytes", 0) + tr.get("migration_d2h_bytes", 0)
+
+    def _preempt(self, row: _Row) -> None:
+        """Drop the row's cache; its request waits at the head of the queue and is recomputed (prompt + what it
+        generated) when it fits again. The client sees only a pause."""
+        self.metrics.preemptions += 1
+        row.preemptions += 1
+        if row in self.rows:
+            self.rows.remove(row)
+        self._count_moves(row)
+        row.cache.reset()
+        row.cache = None
+        row.queued_at = time.monotonic()
+        self._resumed[row.req.id] = row
+        with self._cv:
+            self.waiting.appendleft(row.req)
+        self._note_device()
+
+    def _note_device(self) -> None:
+        """Sum the running rows' device K/V from their caches; check it against the budget (every step)."""
+        m = self.metrics
+        total = sum(r.cache.device_kv_bytes() for r in self.rows if r.cache is not None)
+        host = sum(r.cache.host_kv_bytes() for r in self.rows if r.cache is not None)
+        m.device_kv_bytes_now = total
+        m.device_kv_peak = max(m.device_kv_peak, total)
+        m.host_kv_bytes_now = host
+        m.kv_bytes = {("T0", "device"): total, ("T1", "host"): host, ("T2", "host"): 0} if self.rows else {}
+        if self.budget is not None and total > self.budget:
+            m.budget_violations += 1
+            log.error("device KV %d bytes over the budget of %d", total, self.budget)
+
+    def shutdown(self, grace_s: float = 10.0) -> None:
+        super().shutdown(grace_s)
+        with self._cv:
+            self._cv.notify_all()
+
+
+__all__ = ["ContinuousEngine"]

@@ -1,0 +1,176 @@
+"""The continuous engine's memory decisions under a device-KV budget: which waiting requests join, which rows give device memory back (demote), which are preempted — arithmetic on byte counts; no tensors here.
+
+Each running row reports what it will hold after the next step (:class:`RowNeed`); each waiting request what it
+needs to start (:class:`WaitNeed`). :func:`decide` returns T0 limits (tokens) for rows that must shrink or may grow,
+rows to preempt, requests to admit (with a T0 limit when they start at reduced device share) and requests that can
+never fit (HTTP 400). The engine applies the decision and checks the budget from the caches' own accounting.
+
+Modes (``--on-pressure``):
+- ``demote`` (default): lower running rows' device share (their coldest T0 tokens go to T1: exact) down to each
+  row's minimum (its tail between reassignments), so that new requests start now; only when every row is at its
+  minimum do arrivals wait; only when the host budget is exhausted too is a row preempted (fewest generated first).
+- ``queue``: admit a request only when its peak (prompt + ``max_tokens``, all on the device) fits beside the
+  running rows' peaks; never demote, never preempt.
+- ``recompute``: the field's policy: admit on current use; when the running rows' next step does not fit, preempt
+  the newest request and recompute it later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRESSURE_MODES = ("demote", "queue", "recompute")
+
+
+@dataclass
+class RowNeed:
+    """A running row, as the scheduler sees it (bytes are device K/V unless named host)."""
+
+    key: int
+    next_bytes: int  # bound after the next step, as things stand
+    col_bytes: int  # one token, all layers, K and V
+    reserve: int  # tail columns between reassignments (a limited row holds at most limit + reserve tokens)
+    can_limit: bool
+    generated: int
+    arrived: float
+    host_bytes: int = 0  # T1/T2 now
+    host_next: int = 0  # bound on T1/T2 after the next step
+    t0_limit: int | None = None
+    tokens: int = 0  # logical length
+    device_tokens: int = 0  # on the device now (T0 + tail)
+    peak_bytes: int = 0  # queue mode: what the row holds at its longest
+
+    @property
+    def min_bytes(self) -> int:
+        return self.reserve * self.col_bytes if self.can_limit else self.next_bytes
+
+
+@dataclass
+class WaitNeed:
+    """A waiting request: device bytes to start it whole, to start it at its minimum, and at its peak."""
+
+    key: int
+    start_bytes: int
+    min_bytes: int
+    peak_bytes: int
+    col_bytes: int
+    reserve: int
+    can_limit: bool
+    tokens: int = 0  # to prefill (prompt, and what it generated before a preemption)
+
+
+@dataclass
+class Decision:
+    admit: list[tuple[int, int | None]] = field(default_factory=list)  # (waiting key, T0 limit or None)
+    limits: dict[int, int | None] = field(default_factory=dict)  # running key -> new T0 limit (None: lifted)
+    preempt: list[int] = field(default_factory=list)
+    reject: list[int] = field(default_factory=list)  # waiting keys that can never fit the budget
+    demoted_bytes: int = 0
+
+
+def _limit_for(target: int, col: int, reserve: int) -> int:
+    """T0 tokens that keep a limited row within ``target`` device bytes."""
+    return max(0, target // col - reserve)
+
+
+def decide(rows: list[RowNeed], waiting: list[WaitNeed], budget: int | None, host_budget: int | None,
+           mode: str, max_rows: int) -> Decision:
+    """What to do before the next step (see the module docstring)."""
+    if mode not in PRESSURE_MODES:
+        raise ValueError(f"mode must be one of {PRESSURE_MODES}, got {mode!r}")
+    d = Decision()
+    room = max_rows - len(rows)
+    if budget is None:
+        d.admit = [(w.key, None) for w in waiting[: max(room, 0)]]
+        return d
+    use = {r.key: (r.peak_bytes if mode == "queue" else r.next_bytes) for r in rows}
+    alive = {r.key: r for r in rows}
+    host = sum(r.host_next for r in rows)
+    starting = 0  # device bytes of the requests admitted so far
+
+    def total() -> int:
+        return sum(use[k] for k in alive) + starting
+
+    def slack(r: RowNeed) -> int:
+        return use[r.key] - r.min_bytes if mode == "demote" and r.can_limit else 0
+
+    def demote(amount: int) -> int:
+        """Free ``amount`` device bytes from the rows with the most above their minimum; host budget allowing."""
+        nonlocal host
+        freed = 0
+        for r in sorted(alive.values(), key=slack, reverse=True):
+            if freed >= amount or slack(r) <= 0:
+                break
+            t0 = _limit_for(use[r.key] - min(slack(r), amount - freed), r.col_bytes, r.reserve)
+            new = (t0 + r.reserve) * r.col_bytes
+            moved = max(0, r.device_tokens - t0) * r.col_bytes  # what lands in T1
+            if host_budget is not None and host + moved > host_budget:
+                continue  # the host cannot take it: this row keeps its share
+            freed += use[r.key] - new
+            host += moved
+            d.demoted_bytes += use[r.key] - new
+            use[r.key] = new
+            d.limits[r.key] = t0
+        return freed
+
+    def preempt(victim: RowNeed) -> None:
+        nonlocal host
+        d.preempt.append(victim.key)
+        d.limits.pop(victim.key, None)
+        host -= victim.host_next
+        del alive[victim.key]
+
+    # 1. the running rows' next step fits the device (demote, then preempt) and the host
+    if total() > budget:
+        if mode == "demote":
+            demote(total() - budget)
+        while total() > budget and alive:
+            pick = (min(alive.values(), key=lambda r: (r.generated, -r.arrived)) if mode == "demote"
+                    else max(alive.values(), key=lambda r: r.arrived))  # recompute: the newest request
+            preempt(pick)
+    while host_budget is not None and host > host_budget:
+        holders = [r for r in alive.values() if r.host_next > 0]  # preempting a row that holds none frees none
+        if not holders:
+            break
+        preempt(min(holders, key=lambda r: (r.generated, -r.arrived)))
+    if d.preempt or d.limits:
+        # preempted requests wait at the head of the queue, and demoted rows hold their bytes until the next
+        # step's reassignment: nothing new starts before that step
+        return d
+    # 2. admissions, oldest first; a request that does not fit waits, and so do the ones behind it
+    for w in waiting:
+        if len(alive) + len(d.admit) >= max_rows:
+            break
+        least = w.peak_bytes if mode == "queue" else (w.min_bytes if mode == "demote" else w.start_bytes)
+        if least > budget:
+            d.reject.append(w.key)
+            continue
+        want = w.peak_bytes if mode == "queue" else w.start_bytes
+        if total() + want > budget and mode == "demote":
+            if demote(total() + want - budget):
+                break  # demoted rows give their bytes back during the next step: the request starts after it
+        free = budget - total()
+        if want <= free:
+            d.admit.append((w.key, None))
+            starting += want
+        elif mode == "demote" and w.can_limit and w.min_bytes <= free:
+            t0 = _limit_for(free, w.col_bytes, w.reserve)
+            moved = max(0, w.tokens - t0) * w.col_bytes  # starts with this much in T1
+            if host_budget is not None and host + moved > host_budget:
+                break
+            d.admit.append((w.key, t0))
+            host += moved
+            starting += (t0 + w.reserve) * w.col_bytes
+        else:
+            break
+    # 3. no one waits: limited rows grow back into the free budget (at their next regular reassignment)
+    if mode == "demote" and not waiting:
+        limited = [r for r in alive.values() if d.limits.get(r.key, r.t0_limit) is not None]
+        free = budget - total()
+        if limited and free > budget // 4:
+            share = (free - budget // 8) // len(limited)
+            for r in limited:
+                cur = d.limits.get(r.key, r.t0_limit)
+                grown = cur + share // r.col_bytes
+                d.limits[r.key] = None if grown >= r.tokens + r.reserve else grown
+    return d
