@@ -1,6 +1,7 @@
 """``kvtier serve``: an OpenAI-compatible HTTP server whose requests decode with a kvtier cache.
 
-- :mod:`.engine`: wait list, batches, the generation thread (no HTTP);
+- :mod:`.engine`: the wait list, static batches through ``generate``, the generation thread (no HTTP);
+- :mod:`.continuous`: continuous batching over one-row caches; :mod:`.scheduler`: its memory decisions;
 - :mod:`.text`: incremental detokenisation, stop strings, the ``<think>`` split (no model);
 - :mod:`.app`: the FastAPI routes, request validation, SSE; :mod:`.metrics`: ``/metrics``.
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 
 import logging
 
-from .engine import Engine, EngineConfig, GenRequest, QueueFull, ShuttingDown, make_engine
+from .continuous import ContinuousEngine
+from .engine import Engine, EngineConfig, GenRequest, QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +26,12 @@ def _uvicorn():
     except ImportError as e:
         raise ValueError(f"kvtier serve needs the serve extra ({e.name} is missing): pip install 'kvtier[serve]'") from None
     return uvicorn
+
+
+def make_engine(model, tokenizer, cfg: EngineConfig | None = None) -> Engine:
+    """The engine ``cfg.scheduler`` names: continuous batching (the default) or static batches."""
+    cfg = cfg or EngineConfig()
+    return (Engine if cfg.scheduler == "static" else ContinuousEngine)(model, tokenizer, cfg)
 
 
 def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, host: str = "127.0.0.1",
@@ -65,4 +73,4 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
             signal.signal(s, h)
 
 
-__all__ = ["Engine", "EngineConfig", "GenRequest", "QueueFull", "ShuttingDown", "make_engine", "serve"]
+__all__ = ["ContinuousEngine", "Engine", "EngineConfig", "GenRequest", "QueueFull", "ShuttingDown", "make_engine", "serve"]

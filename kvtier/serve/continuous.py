@@ -67,6 +67,7 @@ class ContinuousEngine(Engine):
         super().__init__(model, tokenizer, cfg)
         self.rows: list[_Row] = []
         self._resumed: dict[int, _Row] = {}  # request id -> its row, while a preempted request waits
+        self._loop_hook = None
         self.budget = self.cfg.resolve_device_budget(model)
         self.host_budget = self.cfg.resolve_host_budget()
         m = self.metrics
@@ -95,6 +96,9 @@ class ContinuousEngine(Engine):
                 if not self.waiting and not self.rows:
                     return
             try:
+                hook, self._loop_hook = self._loop_hook, None
+                if hook is not None:  # tests: run something on this thread, between two steps
+                    hook()
                 self._drop_gone()
                 started = self._schedule()
                 if self.rows:
@@ -116,9 +120,8 @@ class ContinuousEngine(Engine):
                 self.waiting.remove(r)
         for r in gone:
             row = self._resumed.pop(r.id, None)
-            if row is not None:  # a preempted request: it had started streaming, so it ends like a row
+            if row is not None:  # a preempted request (still counted running): it has streamed, so it ends as a row
                 self.rows.append(row)
-                self._running += 1
                 self._finish(row, "cancelled" if r.cancelled or self.cancel_all else "timeout")
             elif not r.cancelled:
                 _safe_sink(r, ("error", 504 if now > r.deadline else 503, "the request timed out while waiting"
@@ -306,6 +309,7 @@ class ContinuousEngine(Engine):
                 "policy": r.policy,
                 "params": dict(r.params),
                 "scheduler": "continuous",
+                "batch_size": len(self.rows),  # rows running when it finished
                 "tier_tokens": c.row_tokens(0) if c is not None else None,
                 "peak_device_kv_bytes": st.get("peak_device_kv_bytes"),
                 "streamed_bytes": tr.get("stream_h2d_bytes", 0),
@@ -384,6 +388,16 @@ class ContinuousEngine(Engine):
         if self.budget is not None and total > self.budget:
             m.budget_violations += 1
             log.error("device KV %d bytes over the budget of %d", total, self.budget)
+
+    def cancel(self, req: GenRequest) -> None:
+        """As :meth:`Engine.cancel`; a preempted request (it has streamed already) stays listed until the
+        generation thread ends it ``cancelled``, so that its row's slot is counted back."""
+        if req.id in self._resumed:
+            req.cancel()
+            with self._cv:
+                self._cv.notify()
+            return
+        super().cancel(req)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         super().shutdown(grace_s)

@@ -404,16 +404,6 @@ class Engine:
             gc.collect()
 
 
-def make_engine(model, tokenizer, cfg: EngineConfig | None = None) -> Engine:
-    """The engine ``cfg.scheduler`` names: continuous batching (default) or the static batches."""
-    cfg = cfg or EngineConfig()
-    if cfg.scheduler == "static":
-        return Engine(model, tokenizer, cfg)
-    from .continuous import ContinuousEngine
-
-    return ContinuousEngine(model, tokenizer, cfg)
-
-
 def _safe_sink(r: GenRequest, event: tuple) -> None:
     try:
         r.sink(event)

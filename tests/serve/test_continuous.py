@@ -294,3 +294,46 @@ def test_config_errors_name_the_flag():
     assert parse_bytes("x", "1.5GB") == 1_500_000_000 and parse_bytes("x", "4096") == 4096
     with pytest.raises(ValueError, match="--device-kv-budget must be a size"):
         parse_bytes("--device-kv-budget", "lots")
+
+
+def test_a_preempted_request_cancelled_while_waiting_ends_once(tiny):
+    """A request preempted (it has streamed) and cancelled before it resumes: one "cancelled" end, its slot back."""
+    model, tok = tiny
+    eng = _engine(model, tok)
+    r = _req(_long_prompt(model, tok), 120)
+    eng.submit(r)
+    while len(r.sink.events) < 3:
+        time.sleep(0.002)
+    done = threading.Event()
+
+    def preempt_then_cancel():
+        row = next(x for x in eng.rows if x.req is r)
+        eng._preempt(row)
+        eng.cancel(r)
+        done.set()
+
+    eng._loop_hook = preempt_then_cancel  # run on the generation thread, between steps
+    assert done.wait(30) and r.sink.done.wait(30)
+    assert [e[1] for e in r.sink.events if e[0] == "done"] == ["cancelled"]
+    deadline = time.monotonic() + 10
+    while eng.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.running == 0 and eng.queue_depth == 0
+    eng.shutdown(grace_s=1)
+
+
+def test_metrics_show_the_budget_and_the_pressure(tiny):
+    from types import SimpleNamespace
+
+    from kvtier.serve.metrics import render_metrics
+
+    model, tok = tiny
+    eng = ContinuousEngine(model, tok, EngineConfig(device_kv_budget=1 << 20, host_kv_budget=1 << 30))
+    eng.metrics.demoted_tokens, eng.metrics.preemptions = 7, 2
+    text, _ = render_metrics(SimpleNamespace(engine=eng, counts={}))
+    for line in ("kvtier_device_kv_budget_bytes 1.048576e+06", "kvtier_demoted_tokens_total 7.0",
+                 "kvtier_preemptions_total 2.0", "kvtier_running_rows 0.0", "kvtier_device_kv_peak_bytes 0.0",
+                 "kvtier_recomputed_tokens_total 0.0", "kvtier_promoted_tokens_total 0.0",
+                 "kvtier_budget_violations_total 0.0", "kvtier_device_kv_bytes 0.0"):
+        assert line in text, line
+    assert "device-KV budget 1.0 MiB" in eng.describe() and "on pressure: demote" in eng.describe()
