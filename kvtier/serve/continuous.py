@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from ..compat import cache_kw
 from ..tiers.layout import grown_capacity
 from .engine import Engine, GenRequest, _safe_sink
 from .scheduler import Decision, RowNeed, WaitNeed, decide
@@ -235,8 +236,8 @@ class ContinuousEngine(Engine):
             self.metrics.prompt_tokens += len(req.prompt_ids) if not resumed else 0
             dev = self.model.device
             with torch.no_grad():
-                out = self.model(input_ids=torch.tensor([ids], device=dev), cache=cache, use_cache=True,
-                                 logits_to_keep=1)
+                out = self.model(input_ids=torch.tensor([ids], device=dev), **cache_kw(self.model, cache),
+                                 use_cache=True, logits_to_keep=1)
             self._note_device()
             self._accept(row, out.logits[:, -1])
         except Exception as e:
@@ -251,7 +252,8 @@ class ContinuousEngine(Engine):
         dev = self.model.device
         ids = torch.tensor([[r.generated[-1]] for r in rows], device=dev)
         with torch.no_grad():
-            out = self.model(input_ids=ids, position_ids=rc.positions(dev), cache=rc, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids, position_ids=rc.positions(dev), **cache_kw(self.model, rc), use_cache=True,
+                             logits_to_keep=1)
         del rc
         self._note_device()
         logits = out.logits[:, -1]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import kvtier
+from kvtier.compat import cache_kw
 
 
 def _decode(model, policy, ids, steps, events=None, **params):
@@ -17,7 +18,7 @@ def _decode(model, policy, ids, steps, events=None, **params):
     c = kvtier.make_cache(policy, model, **params)
     toks, logits = [], []
     with torch.no_grad():
-        lg = model(input_ids=torch.tensor([ids]), cache=c, use_cache=True).logits[:, -1]
+        lg = model(input_ids=torch.tensor([ids]), **cache_kw(model, c), use_cache=True).logits[:, -1]
         for s in range(steps):
             if s in events:
                 c.limit_device(events[s])
@@ -26,7 +27,7 @@ def _decode(model, policy, ids, steps, events=None, **params):
             toks.append(t)
             logits.append(lg)
             pos = torch.tensor([[c.state.n_total]])
-            lg = model(input_ids=torch.tensor([[t]]), position_ids=pos, cache=c, use_cache=True).logits[:, -1]
+            lg = model(input_ids=torch.tensor([[t]]), position_ids=pos, **cache_kw(model, c), use_cache=True).logits[:, -1]
             assert c.device_kv_bytes() <= bound, f"step {s}: {c.device_kv_bytes()} device bytes over the bound {bound}"
     return toks, torch.cat(logits), c
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import kvtier
+from kvtier.compat import cache_kw
 from kvtier.cache.rows import RowsCache
 from kvtier.models import byte_tokenizer, random_model
 from kvtier.serve.continuous import ContinuousEngine
@@ -89,7 +90,7 @@ def _long_prompt(model, tok, n=24, steps=120, skip=0):
         p = _prompt(tok, 1000 + i, n)
         c = kvtier.make_cache("full", model)
         with torch.no_grad():
-            out = model.generate(input_ids=torch.tensor([p]), cache=c, max_new_tokens=steps, do_sample=False,
+            out = model.generate(input_ids=torch.tensor([p]), **cache_kw(model, c), max_new_tokens=steps, do_sample=False,
                                  temperature=None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
         if tok.eos_token_id not in out[0, n:].tolist():
             if skip == 0:
@@ -155,16 +156,16 @@ def test_batched_step_rounds_only_in_the_model_matmuls(tiny):
     def prefilled(i):
         c = kvtier.make_cache("full" if i % 2 else "tiered", model, **({} if i % 2 else NO_EVICT))
         with torch.no_grad():
-            model(input_ids=torch.tensor([_prompt(tok, i, 5 + 6 * i)]), cache=c, use_cache=True)
+            model(input_ids=torch.tensor([_prompt(tok, i, 5 + 6 * i)]), **cache_kw(model, c), use_cache=True)
         return c
 
     batch, alone = [prefilled(i) for i in range(4)], [prefilled(i) for i in range(4)]
     toks = torch.tensor([[7], [8], [9], [10]])
     with torch.no_grad():
         rc = RowsCache(batch)
-        lb = model(input_ids=toks, position_ids=rc.positions(), cache=rc, use_cache=True).logits[:, -1]
+        lb = model(input_ids=toks, position_ids=rc.positions(), **cache_kw(model, rc), use_cache=True).logits[:, -1]
         la = torch.cat([model(input_ids=toks[i : i + 1], position_ids=RowsCache([c]).positions(),
-                              cache=RowsCache([c]), use_cache=True).logits[:, -1] for i, c in enumerate(alone)])
+                              **cache_kw(model, RowsCache([c])), use_cache=True).logits[:, -1] for i, c in enumerate(alone)])
     diff = (lb - la).abs().max().item()
     assert diff <= 1e-4, f"a batched step's logits moved {diff} from the rows alone"
     for a, b in zip(batch, alone):  # the new token's K/V (projected in a batch of 4 vs alone): the same bound
