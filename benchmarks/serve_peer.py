@@ -33,7 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from kvtier.serve.loadgen import pct  # noqa: E402
+from kvtier.serve.loadgen import pct, stream_chat  # noqa: E402
 
 
 def free_port() -> int:
@@ -58,30 +58,12 @@ def gsm8k_questions(n: int, data: Path) -> list[str]:
 async def one(client, url: str, model: str, question: str, max_tokens: int, extra: dict, st: dict) -> None:
     body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **extra}
-    t0 = time.perf_counter()
-    last = None
-    while True:
-        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
-            if r.status_code == 429:
-                st["rejected"] += 1
-                await asyncio.sleep(float(r.headers.get("retry-after", 1)))
-                continue
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
-            async for line in r.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    st["tokens"] += chunk["usage"]["completion_tokens"]
-                for ch in chunk.get("choices", []):
-                    d = ch.get("delta", {})
-                    if d.get("content") or d.get("reasoning_content"):
-                        now = time.perf_counter()
-                        (st["ttft"] if last is None else st["itl"]).append(now - (t0 if last is None else last))
-                        last = now
-            st["requests"] += 1
-            return
+    while (s := await stream_chat(client, url, body)) is None:  # 429: retried after its Retry-After
+        st["rejected"] += 1
+    st["tokens"] += s.tokens
+    st["ttft"] += [] if s.ttft is None else [s.ttft]
+    st["itl"] += s.itl
+    st["requests"] += 1
 
 
 async def load(url: str, model: str, questions: list[str], clients: int, per_client: int, max_tokens: int,

@@ -384,7 +384,7 @@ class HeadwiseCache(ShapeGuardedCache):
         elem = torch.empty(0, dtype=st.dtype).element_size()
         bpt = st.num_layers * st.n_heads * st.head_dim * 2 * elem
         tokens = {"T0": kept, "T1": 0, "T2": 0, "T3": logical - kept}
-        dev_alloc = sum(x.numel() * x.element_size() for layer in self.layers if layer.is_initialized for x in (layer.k, layer.v))
+        dev_alloc = self.device_kv_bytes()
         return {
             "policy": st.policy,
             "tokens": tokens,

@@ -20,7 +20,7 @@ from ..tiers.layout import TAIL
 from ..tiers.planner import T0, T1, T2
 from ..tiers.quant import dequantize, quantize
 from .base import KVTierLayer
-from .state import _TAIL_GRANULE, _WORK_ALIGN, TierState, _roundup
+from .state import _WORK_ALIGN, TierState, _roundup, tail_columns, tail_granule
 
 
 class TieredLayer(KVTierLayer):
@@ -112,7 +112,7 @@ class TieredLayer(KVTierLayer):
         end = st.n_total - st.layout.n_main
         start = end - q
         if st.retier_enabled:
-            need, granule = end, min(_TAIL_GRANULE, st.cfg.retier_interval)
+            need, granule = end, tail_granule(st.cfg.retier_interval)
         else:
             # The full cache's tail is everything: it is read in place, with the strides (256-column granules and
             # one spare column) an assembled work buffer would have, so the ordered path stays bit-identical.
@@ -158,7 +158,7 @@ class TieredLayer(KVTierLayer):
         got = {x: [(mv, self._fetch(mv, tail)) for mv in lay.moves.get(x, [])] for x in (T0, T1, T2)}
         # 2. resize buffers whose tier outgrew them, or that a device limit shrinks (the tail's tokens were read in
         # 1: its columns start empty; a full cache turned tiered under memory pressure gives back its long tail)
-        cap_t = min(self.tail_k.shape[2], _roundup(st.cfg.retier_interval, min(_TAIL_GRANULE, st.cfg.retier_interval)))
+        cap_t = min(self.tail_k.shape[2], tail_columns(st.cfg.retier_interval))
         if lay.tiers[T0].cap > self.cap0 or (st.t0_limit is not None and (lay.tiers[T0].cap < self.cap0
                                                                            or cap_t < self.tail_k.shape[2])):
             self._alloc_device(lay.tiers[T0].cap, cap_t if st.t0_limit is not None else self.tail_k.shape[2],

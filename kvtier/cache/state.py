@@ -36,6 +36,22 @@ def _roundup(n: int, m: int) -> int:
     return (n + m - 1) // m * m
 
 
+def tail_granule(retier_interval: int) -> int:
+    """Columns a tiered tail grows by."""
+    return min(_TAIL_GRANULE, retier_interval)
+
+
+def tail_columns(retier_interval: int) -> int:
+    """The most columns a tiered tail holds: the tokens between two reassignments, in whole granules."""
+    return _roundup(retier_interval, tail_granule(retier_interval))
+
+
+def full_columns(n: int) -> int:
+    """Device columns of a ``full`` cache holding ``n`` tokens (its one region: whole work-aligned granules with a
+    spare column, the strides the ordered path's work buffers have)."""
+    return _roundup(n + 1, _WORK_ALIGN)
+
+
 class TierState:
     """Bookkeeping shared by all layers of one cache: lengths, validity, scores, placement, attention mode.
 

@@ -13,7 +13,7 @@ from ..tiers.planner import T0, T1, T2, T3
 from ..tiers.quant import int8_bytes_per_token
 from .base import ShapeGuardedCache
 from .layer import TieredLayer
-from .state import _TAIL_GRANULE, _WORK_ALIGN, TierState, _roundup
+from .state import _WORK_ALIGN, TierState, _roundup, full_columns, tail_columns, tail_granule
 from .stats import cache_stats
 
 
@@ -110,8 +110,7 @@ class KVTierCache(ShapeGuardedCache):
 
     def tail_reserve(self) -> int:
         """Device columns a row's tail can take between reassignments (tokens since the last one)."""
-        d = self.state.cfg.retier_interval
-        return _roundup(d, min(_TAIL_GRANULE, d))
+        return tail_columns(self.state.cfg.retier_interval)
 
     def _col_bytes(self) -> int:
         """Bytes of one device column (one token of one row) over all layers, K and V."""
@@ -134,9 +133,8 @@ class KVTierCache(ShapeGuardedCache):
             return 0
         layer = self.layers[0]
         cap0, cap_t = layer.cap0, layer.tail_k.shape[2]
-        d = st.cfg.retier_interval
-        g = min(_TAIL_GRANULE, d)
-        if st.retier_enabled and (st.since_retier >= d or st.retier_now):
+        g = tail_granule(st.cfg.retier_interval)
+        if st.retier_enabled and (st.since_retier >= st.cfg.retier_interval or st.retier_now):
             if st.t0_limit is not None:
                 cap0, cap_t = st.t0_limit, min(cap_t, self.tail_reserve())
             else:
@@ -154,7 +152,7 @@ class KVTierCache(ShapeGuardedCache):
             # slot) and, on the ordered path, one layer's position-ordered work buffers of every kept token
             n = st.n_total + 1
             slots = st.num_layers if st.t1_on_device else 1
-            per_layer = slots * grown_capacity(n, 0) + (_roundup(n + 1, _WORK_ALIGN) if st.attention == "ordered" else 0)
+            per_layer = slots * grown_capacity(n, 0) + (full_columns(n) if st.attention == "ordered" else 0)
             staging = max(staging, per_layer * col // st.num_layers)
         return (cap0 + cap_t) * col + staging
 
@@ -163,7 +161,6 @@ class KVTierCache(ShapeGuardedCache):
         st = self.state
         if st.batch is None or st.layout is None:
             return 0
-        elem = torch.empty(0, dtype=st.dtype).element_size()
         lay = st.layout
-        return (lay.tiers[T1].count * st.num_layers * st.n_heads * st.head_dim * 2 * elem
+        return (lay.tiers[T1].count * self._col_bytes() // st.batch
                 + lay.tiers[T2].count * int8_bytes_per_token(st.num_layers, st.n_heads, st.head_dim))

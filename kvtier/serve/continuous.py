@@ -26,7 +26,10 @@ import time
 
 import torch
 
+from ..cache.base import model_shape
+from ..cache.state import full_columns, tail_columns
 from ..compat import cache_kw
+from ..config import TierConfig
 from ..tiers.layout import grown_capacity
 from .engine import Engine, GenRequest, _safe_sink
 from .scheduler import Decision, RowNeed, WaitNeed, decide
@@ -73,11 +76,9 @@ class ContinuousEngine(Engine):
         self.host_budget = self.cfg.resolve_host_budget()
         m = self.metrics
         m.device_kv_budget = self.budget
-        c = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
-        head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        layers, heads, head_dim = model_shape(model.config)
         elem = torch.empty(0, dtype=model.dtype).element_size()
-        self.col_bytes = int(c.num_hidden_layers) * heads * head_dim * 2 * elem  # one token, all layers, K and V
+        self.col_bytes = layers * heads * head_dim * 2 * elem  # one token, all layers, K and V
 
     @property
     def running(self) -> int:
@@ -143,13 +144,12 @@ class ContinuousEngine(Engine):
                        tokens=st.n_total, peak_bytes=self._peak_bytes(n_max), device_tokens=c.row_tokens(0)["T0"])
 
     def _reserve(self, req: GenRequest) -> int:
-        d = int(req.params.get("retier_interval", 64))
-        g = min(64, d)
-        return (d + g - 1) // g * g
+        return tail_columns(int(req.params.get("retier_interval", TierConfig.retier_interval)))
 
     def _peak_bytes(self, n: int) -> int:
-        """Device bytes of a row of ``n`` tokens all on the device (a ``full`` row's buffers: 256-column granules)."""
-        return max((n + 1 + 255) // 256 * 256, grown_capacity(n, 0) + 64) * self.col_bytes
+        """Device bytes of a row of ``n`` tokens all on the device: a ``full`` row's buffers, or a tiered row's T0
+        at its grown capacity beside a whole tail."""
+        return max(full_columns(n), grown_capacity(n, 0) + tail_columns(TierConfig.retier_interval)) * self.col_bytes
 
     def _wait_need(self, req: GenRequest) -> WaitNeed:
         from ..policies import POLICIES
@@ -188,7 +188,7 @@ class ContinuousEngine(Engine):
             self._resumed.pop(r.id, None)
             need = self._wait_need(r)
             mode = self.cfg.on_pressure
-            least = need.peak_bytes if mode == "queue" else need.min_bytes if mode == "demote" else need.start_bytes
+            least = need.least(mode)
             what = "its prompt + max_tokens" if mode == "queue" else "its prompt" if mode == "recompute" or not \
                 need.can_limit else f"its device tail ({need.reserve} tokens)"
             _safe_sink(r, ("error", 400, f"--device-kv-budget is {self.budget} bytes, and this request needs at least "
@@ -348,6 +348,10 @@ class ContinuousEngine(Engine):
         if row in self.rows:
             self.rows.remove(row)
             self._running -= 1
+        self._drop_cache(row)
+
+    def _drop_cache(self, row: _Row) -> None:
+        """Count the row's cache's moves, free its buffers at once, and account the device again."""
         if row.cache is not None:
             self._count_moves(row)
             row.cache.reset()
@@ -368,15 +372,12 @@ class ContinuousEngine(Engine):
         self.metrics.preemptions += 1
         row.preemptions += 1
         if row in self.rows:
-            self.rows.remove(row)
-        self._count_moves(row)
-        row.cache.reset()
-        row.cache = None
+            self.rows.remove(row)  # still counted running: it has streamed, and it resumes
         row.queued_at = time.monotonic()
         self._resumed[row.req.id] = row
         with self._cv:
             self.waiting.appendleft(row.req)
-        self._note_device()
+        self._drop_cache(row)
 
     def _note_device(self) -> None:
         """Sum the running rows' device K/V from their caches; check it against the budget (every step)."""

@@ -65,16 +65,25 @@ def pct(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-async def _one(client, url: str, question: str, policy: dict, max_tokens: int, lv: Level) -> None:
-    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}, "kvtier": policy}
+@dataclass
+class Streamed:
+    """One streamed completion: its generated tokens (from the usage chunk), time to first text chunk, and the
+    gaps between text chunks."""
+
+    tokens: int = 0
+    ttft: float | None = None
+    itl: list = field(default_factory=list)
+
+
+async def stream_chat(client, url: str, body: dict) -> Streamed | None:
+    """POST ``body`` to ``url``'s chat completions and read its server-sent events; None after a 429 (having
+    waited its ``Retry-After``); any other non-200 status raises."""
     t0 = time.perf_counter()
-    last = None
+    out, last = Streamed(), None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code == 429:
-            lv.rejected += 1
             await asyncio.sleep(float(r.headers.get("retry-after", 1)))
-            return
+            return None
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
@@ -82,16 +91,29 @@ async def _one(client, url: str, question: str, policy: dict, max_tokens: int, l
                 continue
             chunk = json.loads(line[6:])
             if chunk.get("usage"):
-                lv.tokens += chunk["usage"]["completion_tokens"]
+                out.tokens += chunk["usage"]["completion_tokens"]
             for ch in chunk.get("choices", []):
                 d = ch.get("delta", {})
                 if d.get("content") or d.get("reasoning_content"):
                     now = time.perf_counter()
                     if last is None:
-                        lv.ttft.append(now - t0)
+                        out.ttft = now - t0
                     else:
-                        lv.itl.append(now - last)
+                        out.itl.append(now - last)
                     last = now
+    return out
+
+
+async def _one(client, url: str, question: str, policy: dict, max_tokens: int, lv: Level) -> None:
+    body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}, "kvtier": policy}
+    s = await stream_chat(client, url, body)
+    if s is None:
+        lv.rejected += 1
+        return
+    lv.tokens += s.tokens
+    lv.ttft += [] if s.ttft is None else [s.ttft]
+    lv.itl += s.itl
     lv.requests += 1
 
 

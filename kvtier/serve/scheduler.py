@@ -58,6 +58,10 @@ class WaitNeed:
     can_limit: bool
     tokens: int = 0  # to prefill (prompt, and what it generated before a preemption)
 
+    def least(self, mode: str) -> int:
+        """The fewest device bytes it can start with under ``mode`` (over the budget: it can never run)."""
+        return self.peak_bytes if mode == "queue" else self.min_bytes if mode == "demote" else self.start_bytes
+
 
 @dataclass
 class Decision:
@@ -141,8 +145,7 @@ def decide(rows: list[RowNeed], waiting: list[WaitNeed], budget: int | None, hos
     for w in waiting:
         if len(alive) + len(d.admit) >= max_rows:
             break
-        least = w.peak_bytes if mode == "queue" else (w.min_bytes if mode == "demote" else w.start_bytes)
-        if least > budget:
+        if w.least(mode) > budget:
             d.reject.append(w.key)
             continue
         want = w.peak_bytes if mode == "queue" else w.start_bytes
