@@ -207,7 +207,7 @@ def main() -> None:
             proc, model, extra = start(system, args, port, log)
             try:
                 wait_ready(url, proc, 900)
-                asyncio.run(load(url, model, qs[:4], 1, 1, 16, extra))  # warm-up, untimed
+                asyncio.run(load(url, model, qs[:4], 1, 1, min(16, args.max_tokens), extra))  # warm-up, untimed
                 for c in todo:
                     before = scrape(url)
                     peak_rows = [0]
