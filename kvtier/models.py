@@ -326,8 +326,21 @@ def peek_position_limit(name: str) -> int | None:
 
 
 # ---- the one entry point ---------------------------------------------------------------------------
-def load_model(name_or_path: str, device: str = "auto", dtype="auto", seed: int = 0):
-    """Load ``(model, tokenizer)`` from a hub id, local dir, ``.gguf`` file, the embedded name or ``random:<preset>``."""
+def load_model(name_or_path: str, device: str = "auto", dtype="auto", seed: int = 0, linear: str | None = None):
+    """Load ``(model, tokenizer)`` from a hub id, local dir, ``.gguf`` file, the embedded name or ``random:<preset>``.
+
+    ``linear``: how the decode step's projections run on CPU (:mod:`kvtier.step.linear`): ``auto`` (default, or
+    ``$KVTIER_LINEAR``) prepacks them where that is measured faster, ``packed`` always, ``eager`` never (stock
+    ``F.linear``, bit for bit)."""
+    from .step import linear_mode, pack_linears
+
+    mode = linear_mode(linear)
+    model, tok = _load(name_or_path, device, dtype, seed)
+    pack_linears(model, mode)
+    return model, tok
+
+
+def _load(name_or_path: str, device: str, dtype, seed: int):
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
     if name_or_path.startswith("random:"):
