@@ -158,7 +158,8 @@ def table(rows: list[dict]) -> str:
         bud = m.get("kvtier_device_kv_budget_bytes")
         peak = m.get("kvtier_device_kv_peak_bytes")
         ratio = f"{peak / bud:.2f}" if bud and peak is not None else "–"
-        lines.append(f"| {r['system']} | {r['clients']} | {r['requests']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.2f} | "
+        name = r["system"] + (f" ({r['label']})" if r.get("label") else "")
+        lines.append(f"| {name} | {r['clients']} | {r['requests']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.2f} | "
                      f"{r['ttft_p99_s']:.2f} | {r['itl_p50_ms']:.0f} | {r['itl_p99_ms']:.0f} | "
                      f"{r.get('peak_rows', '–')} | {'–' if pre is None else int(pre)} | "
                      f"{int(m['kvtier_demoted_tokens_total']) if 'kvtier_demoted_tokens_total' in m else '–'} | {ratio} |")
@@ -195,8 +196,10 @@ def main() -> None:
     qs = gsm8k_questions(256, args.data)
     levels = [int(x) for x in args.clients.split(",")]
     meta = {"cpu": cpu_info(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-            "command": " ".join(sys.argv), "max_tokens": args.max_tokens, "per_client": args.per_client}
-    (args.out / "meta.json").write_text(json.dumps(meta, indent=1))
+            "command": " ".join(sys.argv), "max_tokens": args.max_tokens, "per_client": args.per_client,
+            "KVTIER_LINEAR": os.environ.get("KVTIER_LINEAR")}
+    (args.out / f"meta{'_' + re.sub(r'[^A-Za-z0-9_.-]', '_', args.label) if args.label else ''}.json").write_text(
+        json.dumps(meta, indent=1))
     for system in args.systems.split(","):
         todo = [c for c in levels if (system, c, args.label) not in have]
         if not todo:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from .step.cpu import cpu_bf16_native  # noqa: F401 (the dtype rule; kvtier.models.cpu_bf16_native)
+
 log = logging.getLogger(__name__)
 
 EMBEDDED_NAME = "qwen2.5-coder-0.5b-instruct"
@@ -159,23 +161,6 @@ def resolve_device(device: str = "auto") -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
     return dev
-
-
-def cpu_bf16_native() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX-BF16 or AVX512-BF16). Without it PyTorch converts bf16
-    to fp32 inside every matmul, and fp32 is the faster choice (measured: see the README's dtype rule)."""
-    probes = [getattr(torch.cpu, n, None) for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    known = [p for p in probes if callable(p)]
-    if known:
-        try:
-            return any(bool(p()) for p in known)
-        except RuntimeError:
-            pass
-    try:  # older builds without the probes: the kernel's own flags
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " amx_bf16" in flags or " avx512_bf16" in flags
 
 
 def auto_dtype(device: torch.device) -> torch.dtype:

@@ -126,7 +126,7 @@ def test_embedded_model_loads_verifies_and_generates(tmp_path_factory, monkeypat
 
     monkeypatch.setattr(transformers, "GgufConfig", boom)
     model2, _ = kvtier.load_model(models.EMBEDDED_NAME, device="cpu", dtype="bf16")
-    assert torch.equal(model2.lm_head.weight, model.lm_head.weight)
+    assert torch.equal(model2.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
 
 @pytest.mark.parametrize(
@@ -189,12 +189,14 @@ def test_auto_dtype_without_probes_reads_cpuinfo(monkeypatch, tmp_path):
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
     info = tmp_path / "cpuinfo"
-    real = models.Path
+    from kvtier.step import cpu
+
+    real = cpu.Path
 
     def fake_path(p, *a):
         return info if str(p) == "/proc/cpuinfo" else real(p, *a)
 
-    monkeypatch.setattr(models, "Path", fake_path)
+    monkeypatch.setattr(cpu, "Path", fake_path)
     info.write_text("flags\t\t: fpu sse avx avx2 fma\n")
     assert not models.cpu_bf16_native()
     info.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")

@@ -36,6 +36,9 @@ def bench(
     attention: str = typer.Option("split", help="comma-separated attention modes to time: split, ordered"),
     t1_attention: str = typer.Option("auto", help="comma-separated T1 modes to time in split mode: stream, host, auto"),
     kernel: str = typer.Option("auto", help="comma-separated split-step implementations to time: auto, fused, eager"),
+    linear: Optional[str] = typer.Option(None, help="comma-separated ways to run the model's projections, one model "
+                                                    "load each: auto, packed (oneDNN-prepacked), eager (stock "
+                                                    "F.linear); default: kvtier --linear, else auto"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
@@ -44,6 +47,7 @@ def bench(
 
     def go():
         from ..models import resolve_device
+        from ..step import linear_mode
         from ..tools.bench import BenchConfig, run_bench
 
         gpu = resolve_device(device).type == "cuda"
@@ -63,6 +67,7 @@ def bench(
             attentions=tuple(x.strip() for x in attention.split(",") if x.strip()),
             t1_attentions=tuple(x.strip() for x in t1_attention.split(",") if x.strip()),
             kernels=tuple(x.strip() for x in kernel.split(",") if x.strip()),
+            linears=tuple(x.strip() for x in linear.split(",") if x.strip()) if linear else (linear_mode(),),
         )
         from ..models import peek_position_limit, resolve_dtype
 
@@ -87,10 +92,14 @@ def print_bench(res: dict) -> None:
     # On a CPU the "peak" is a DRAM-to-DRAM memcpy of 256 MiB, while a streamed block is copied just before it is
     # read and its destination stays in cache: more than 100% there is not an error, and not PCIe.
     t = Table(title=f"kvtier bench: {res['config']['model']} on {res['device']}, context {res['config']['context']}, "
-                    f"{res['config']['new_tokens']} steps, memcpy peak {res['memcpy_peak_gbps']:.1f} GB/s",
+                    f"{res['config']['new_tokens']} steps, memcpy peak {res['memcpy_peak_gbps']:.1f} GB/s"
+                    + (f", floor: {res['step_weight_bytes'] / 1e6:.0f} MB of weights at {res['read_peak_gbps']:.1f} "
+                       f"GB/s read, GEMM {res['gemm_peak_gflops']:.0f} GFLOP/s" if res.get("read_peak_gbps") else ""),
               caption="CPU: copy GB/s is T1/T2 streamed into cache-resident staging, compared with a DRAM-to-DRAM "
                       "memcpy; over 100% means the copies hit cache" if on_cpu else None)
-    for col in ("batch", "policy", "params", "tok/s", "ms/step", "median ms/step", "vs full (median)", "vs stock (median)",
+    linears = len({r.get("linear") for r in res["results"]}) > 1
+    for col in ("batch", *(("linear",) if linears else ()), "policy", "params", "tok/s", "ms/step", "median ms/step",
+                "floor ms (x)", "vs full (median)", "vs stock (median)",
                 "xfer share", "copy GB/s (% memcpy)" if on_cpu else "H2D GB/s (% peak)",
                 "H2D MiB/step", "peak dev MiB", "KV MiB T0/T1/T2"):
         t.add_column(col)
@@ -108,8 +117,9 @@ def print_bench(res: dict) -> None:
                                                      r["params"]["kernel"] == "auto" else "")
         gb = f"{r['h2d_gbps']:.1f} ({100 * r['h2d_fraction_of_peak']:.0f}%)" if r.get("h2d_gbps") else "–"
         kv = r["kv_bytes"]
-        t.add_row(str(r["batch"]), r["policy"], p, f"{r['decode_tok_s']:.1f}", f"{r['ms_per_step']:.1f}",
-                  f"{r['ms_per_step_median']:.1f}",
+        floor = f"{r['floor_ms']:.1f} ({r['vs_floor']:.2f}x)" if r.get("vs_floor") else "–"
+        t.add_row(str(r["batch"]), *((f"{r['linear']} ({r['packed_linears']})",) if linears else ()), r["policy"], p,
+                  f"{r['decode_tok_s']:.1f}", f"{r['ms_per_step']:.1f}", f"{r['ms_per_step_median']:.1f}", floor,
                   f"{r['ratio_to_full']:.3f} ({r['median_ratio_to_full']:.3f})",
                   f"{r['ratio_to_stock']:.3f} ({r['median_ratio_to_stock']:.3f})" if r.get("ratio_to_stock") else "–",
                   f"{100 * r['transfer_share']:.1f}%" if "transfer_share" in r else "–", gb,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from typing import Optional
+
 import typer
 import typer.core
 from rich.console import Console
@@ -55,9 +57,20 @@ DEBUG = {"on": False}
 
 
 @app.callback()
-def _main(debug: bool = typer.Option(False, "--debug", help="show Python tracebacks instead of one-line errors")):
+def _main(debug: bool = typer.Option(False, "--debug", help="show Python tracebacks instead of one-line errors"),
+          linear: Optional[str] = typer.Option(None, "--linear", help="how every command runs the model's projections "
+                                               "on CPU: auto (prepacked where measured faster), packed, eager (stock "
+                                               "F.linear, for debugging); sets KVTIER_LINEAR")):
     """Tiered KV cache for reasoning LLMs."""
     DEBUG["on"] = debug
+    if linear is not None:
+        import os
+
+        from ..step import LINEAR_MODES
+
+        if linear not in LINEAR_MODES:
+            raise typer.BadParameter(f"must be one of {list(LINEAR_MODES)}, got {linear!r}", param_hint="--linear")
+        os.environ["KVTIER_LINEAR"] = linear  # child processes (Ray workers, eval shards) load models the same way
 
 
 def run_command(fn):

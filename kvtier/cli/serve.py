@@ -97,13 +97,17 @@ def serve(
                             host_kv_budget=None if host_kv_budget is None else parse_bytes("--host-kv-budget", host_kv_budget))
         resolve_dtype(dtype, resolve_device(device))
         m, tok = kvtier.load_model(model, device=device, dtype=dtype)
+        from ..step import packed_count
+
+        packed = packed_count(m)
+        step = f" · {m.dtype}, {packed} linears prepacked" if packed else f" · {m.dtype}, stock linears"
         settings.position_limit = getattr(m.config, "max_position_embeddings", None)
         shown = ", ".join(f"{k} {v}" for k, v in params.items())
 
         def ready(server):
             eng = server.config.app.state.server.engine
             console.print(f"kvtier serve: {settings.served_name} on http://{host}:{port}/v1 · policy {policy}"
-                          f"{f' ({shown})' if shown else ''} · {eng.describe()}, queue {max_queue}"
+                          f"{f' ({shown})' if shown else ''} · {eng.describe()}, queue {max_queue}{step}"
                           + (f" · {len(keys)} API key(s)" if keys else " · no API key"), highlight=False)
 
         run_server(m, tok, settings, ecfg, host=host, port=port, grace_s=grace, on_ready=ready)

@@ -239,7 +239,7 @@ class ContinuousEngine(Engine):
                 out = self.model(input_ids=torch.tensor([ids], device=dev), **cache_kw(self.model, cache),
                                  use_cache=True, logits_to_keep=1)
             self._note_device()
-            self._accept(row, out.logits[:, -1])
+            self._accept(row, out.logits[:, -1].float())
         except Exception as e:
             log.exception("prefill failed for request %d", req.id)
             self._fail(row, e)
@@ -256,7 +256,7 @@ class ContinuousEngine(Engine):
                              logits_to_keep=1)
         del rc
         self._note_device()
-        logits = out.logits[:, -1]
+        logits = out.logits[:, -1].float()  # once for all rows: a bf16 argmax over the vocabulary is ~0.5 ms a row
         produced = 0
         for i, row in enumerate(rows):
             if not row.done:
@@ -266,11 +266,11 @@ class ContinuousEngine(Engine):
         self.metrics.steps += 1
 
     def _accept(self, row: _Row, logits: torch.Tensor) -> None:
-        """Draw the row's next token from ``logits`` (1, V) and stream it; finish the row if it is done."""
+        """Draw the row's next token from ``logits`` (1, V) float32 and stream it; finish the row if it is done."""
         if row.sampler is None:
             tok = int(logits.argmax(dim=-1))
         else:
-            tok = int(row.sampler(None, logits.float()).argmax(dim=-1))
+            tok = int(row.sampler(None, logits).argmax(dim=-1))
         row.generated.append(tok)
         now = time.monotonic()
         if not row.first_token:

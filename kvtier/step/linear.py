@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu import cpu_bf16_native
+
 log = logging.getLogger(__name__)
 
 LINEAR_MODES = ("auto", "packed", "eager")
@@ -53,8 +55,6 @@ def packable(dtype: torch.dtype) -> bool:
 
 def packs_by_default(dtype: torch.dtype, device: torch.device) -> bool:
     """``auto``: pack where it is measured faster: bf16 on a CPU with native bf16 matmuls."""
-    from ..models import cpu_bf16_native
-
     return device.type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_native() and packable(dtype)
 
 

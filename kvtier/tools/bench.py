@@ -22,6 +22,8 @@ import torch
 
 from ..compat import cache_kw
 from ..models import load_model, resolve_device
+from ..step import packed_count, step_weight_bytes
+from ..step.cpu import cpu_isa
 from ..transfer import memcpy_peak_gbps
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class BenchConfig:
     attentions: tuple[str, ...] = ("split",)  # each tiered point (and full) is timed once per attention mode
     t1_attentions: tuple[str, ...] = ("auto",)  # ... and, in split mode, once per T1 mode
     kernels: tuple[str, ...] = ("auto",)  # ... and once per split-step implementation (fused CPU kernel / eager)
+    linears: tuple[str, ...] = ("auto",)  # the model's projections (kvtier.step.linear): one model load per mode
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -83,8 +86,12 @@ class BenchConfig:
         from ..attention.fused_cpu import KERNEL_MODES
         from ..cache import ATTENTION_MODES, T1_MODES
 
-        flags = {"attentions": "--attention", "t1_attentions": "--t1-attention", "kernels": "--kernel"}
-        for name, allowed in (("attentions", ATTENTION_MODES), ("t1_attentions", T1_MODES), ("kernels", KERNEL_MODES)):
+        from ..step import LINEAR_MODES
+
+        flags = {"attentions": "--attention", "t1_attentions": "--t1-attention", "kernels": "--kernel",
+                 "linears": "--linear"}
+        for name, allowed in (("attentions", ATTENTION_MODES), ("t1_attentions", T1_MODES), ("kernels", KERNEL_MODES),
+                              ("linears", LINEAR_MODES)):
             values = getattr(self, name)
             if not values or any(v not in allowed for v in values):
                 flag = flags[name]
@@ -243,12 +250,32 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
     import kvtier
 
     device = resolve_device(cfg.device)
-    model, _ = load_model(cfg.model, device=str(device), dtype=cfg.dtype, seed=cfg.seed)
     warmup = cfg.warmup
     peak = memcpy_peak_gbps(device)
+    floors = {"read_peak_gbps": read_peak_gbps(device)}
+    rows: list[dict] = []
+    for linear in cfg.linears:
+        model, _ = load_model(cfg.model, device=str(device), dtype=cfg.dtype, seed=cfg.seed, linear=linear)
+        if "step_weight_bytes" not in floors:
+            floors.update(step_weight_bytes=step_weight_bytes(model), weight_itemsize=model.dtype.itemsize)
+        # the GEMM peak as the fastest mode runs it: the floor is one number for every mode
+        floors["gemm_peak_gflops"] = max(floors.get("gemm_peak_gflops", 0.0), gemm_peak_gflops(model, device))
+        _bench_model(cfg, model, linear, device, warmup, peak, floors, rows, on_progress, on_rows)
+        del model
+    return _result(cfg, device, warmup, peak, floors, rows)
+
+
+def _bench_model(cfg: BenchConfig, model, linear: str, device: torch.device, warmup: int, peak: float, floors: dict,
+                 rows: list[dict], on_progress, on_rows) -> None:
+    """Every batch size and configuration on one loaded model; appends to ``rows``."""
+    from transformers import DynamicCache, StaticCache
+
+    import kvtier
+
+    packed = packed_count(model)
+    tag = f"linear {linear}: " if len(cfg.linears) > 1 else ""
     vocab = min(model.config.vocab_size, 256)
     g = torch.Generator().manual_seed(cfg.seed)
-    rows = []
     for B in cfg.batches:
         ids = torch.randint(0, vocab, (B, cfg.context), generator=g).to(device)
         runs: dict[int, list[dict]] = {}
@@ -277,13 +304,13 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
                 if r > 0:
                     runs.setdefault(i, []).append(rec)
                 if on_progress:
-                    on_progress(f"batch {B} repeat {r}/{cfg.repeats} {name} {params}")
+                    on_progress(f"{tag}batch {B} repeat {r}/{cfg.repeats} {name} {params}")
             if cfg.interleave:
                 for i, rec in enumerate(_interleaved(model, ids, makes, warmup, cfg.new_tokens, device)):
                     if r > 0:
                         runs.setdefault(i, []).append(rec)
                 if on_progress:
-                    on_progress(f"batch {B} repeat {r}/{cfg.repeats}: {len(configs)} configurations interleaved")
+                    on_progress(f"{tag}batch {B} repeat {r}/{cfg.repeats}: {len(configs)} configurations interleaved")
         base = {}
         for i, (name, params) in enumerate(configs):
             recs = runs[i]
@@ -291,6 +318,8 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
             last = recs[-1]
             row = {
                 "batch": B,
+                "linear": linear,
+                "packed_linears": packed,
                 "policy": name,
                 "params": params,
                 "decode_tok_s": B * cfg.new_tokens / med,
@@ -326,23 +355,70 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
                 base[name] = row["decode_tok_s"]
             rows.append(row)
         stock = max((base[k] for k in ("stock_sdpa", "stock_static") if k in base), default=None)
-        med = {r["policy"]: r["ms_per_step_median"] for r in rows if r["batch"] == B and not r["params"]}
+        mine = [r for r in rows if r["batch"] == B and r["linear"] == linear]
+        med = {r["policy"]: r["ms_per_step_median"] for r in mine if not r["params"]}
         stock_med = min((med[k] for k in ("stock_sdpa", "stock_static") if k in med), default=None)
-        for row in rows:
-            if row["batch"] == B:
-                row["ratio_to_full"] = row["decode_tok_s"] / base["full"]
-                # against the faster of the two stock paths, measured in the same run
-                row["ratio_to_stock"] = row["decode_tok_s"] / stock if stock else None
-                row["median_ratio_to_full"] = med["full"] / row["ms_per_step_median"]
-                row["median_ratio_to_stock"] = stock_med / row["ms_per_step_median"] if stock_med else None
+        for row in mine:
+            row["ratio_to_full"] = row["decode_tok_s"] / base["full"]
+            # against the faster of the two stock paths, measured in the same run
+            row["ratio_to_stock"] = row["decode_tok_s"] / stock if stock else None
+            row["median_ratio_to_full"] = med["full"] / row["ms_per_step_median"]
+            row["median_ratio_to_stock"] = stock_med / row["ms_per_step_median"] if stock_med else None
         if on_rows:
-            on_rows(_result(cfg, device, warmup, peak, rows))
-    return _result(cfg, device, warmup, peak, rows)
+            on_rows(_result(cfg, device, warmup, peak, floors, rows))
 
 
-def _result(cfg: BenchConfig, device: torch.device, warmup: int, peak: float, rows: list[dict]) -> dict:
+def step_floor(floors: dict, batch: int) -> dict:
+    """The fastest a decode step of ``batch`` rows could be on this machine: every weight read once at the measured
+    read bandwidth, or every multiply-add done at the measured GEMM peak, whichever takes longer (ms)."""
+    read_ms = 1e3 * floors["step_weight_bytes"] / (floors["read_peak_gbps"] * 1e9)
+    itemsize = floors.get("weight_itemsize", 2)
+    flops = 2 * batch * floors["step_weight_bytes"] / itemsize
+    gemm_ms = 1e3 * flops / (floors["gemm_peak_gflops"] * 1e9) if floors.get("gemm_peak_gflops") else 0.0
+    return {"floor_ms": max(read_ms, gemm_ms), "floor_kind": "bandwidth" if read_ms >= gemm_ms else "matmul"}
+
+
+def read_peak_gbps(device: torch.device, mib: int = 256, reps: int = 5) -> float:
+    """Read bandwidth in GB/s: the best of ``reps`` sums over ``mib`` MiB of float32 (a read with no write back)."""
+    x = torch.ones(mib * (1 << 18), device=device)
+    best = float("inf")
+    for _ in range(reps):
+        _sync(device)
+        t = time.perf_counter()
+        x.sum()
+        _sync(device)
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best / 1e9
+
+
+def gemm_peak_gflops(model, device: torch.device, rows: int = 256, reps: int = 5) -> float:
+    """Multiply-add throughput of the model's own largest projection (as the model runs it: packed or not) on
+    ``rows`` rows, in GFLOP/s: best of ``reps``."""
+    from torch import nn
+
+    from ..step import PackedLinear
+
+    lin = max((m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))),
+              key=lambda m: m.in_features * m.out_features if m.out_features < 65536 else 0)  # not the vocab head
+    x = torch.randn(rows, lin.in_features, device=device).to(model.dtype)
+    best = float("inf")
+    with torch.no_grad():
+        lin(x)
+        for _ in range(reps):
+            _sync(device)
+            t = time.perf_counter()
+            lin(x)
+            _sync(device)
+            best = min(best, time.perf_counter() - t)
+    return 2 * rows * lin.in_features * lin.out_features / best / 1e9
+
+
+def _result(cfg: BenchConfig, device: torch.device, warmup: int, peak: float, floors: dict, rows: list[dict]) -> dict:
     import kvtier
 
+    for row in rows:  # against the floor as measured so far (the GEMM peak is the fastest linear mode's)
+        row.update(step_floor(floors, row["batch"]))
+        row["vs_floor"] = row["ms_per_step_median"] / row["floor_ms"] if row["floor_ms"] else None
     return {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
@@ -352,5 +428,8 @@ def _result(cfg: BenchConfig, device: torch.device, warmup: int, peak: float, ro
         "config": asdict(cfg),
         "warmup_steps": warmup,
         "memcpy_peak_gbps": peak,
+        **floors,
+        "cpu_isa": cpu_isa() if device.type == "cpu" else None,
         "results": rows,
     }
+

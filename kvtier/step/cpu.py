@@ -1,0 +1,35 @@
+"""What this CPU offers the decode step: native bf16 matmuls (the dtype and packing rules) and its vector ISA."""
+
+from __future__ import annotations
+
+import platform
+from pathlib import Path
+
+import torch
+
+
+def cpu_bf16_native() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX-BF16 or AVX512-BF16). Without it PyTorch converts bf16
+    to fp32 inside every matmul, and fp32 is the faster choice (measured: see the README's dtype rule)."""
+    probes = [getattr(torch.cpu, n, None) for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
+    known = [p for p in probes if callable(p)]
+    if known:
+        try:
+            return any(bool(p()) for p in known)
+        except RuntimeError:
+            pass
+    try:  # older builds without the probes: the kernel's own flags
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " amx_bf16" in flags or " avx512_bf16" in flags
+
+
+def cpu_isa() -> str:
+    """The vector extensions a benchmark record names to say which CPU kind it ran on (AVX2-only, AVX512-BF16, AMX)."""
+    try:
+        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith(("flags", "Features")))
+    except (OSError, StopIteration):
+        return platform.machine()
+    flags = line.split(":", 1)[1].split()
+    return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no avx2"
