@@ -89,23 +89,23 @@ def serve(
                                  reasoning=reasoning, api_keys=keys, protect_metrics=protect_metrics,
                                  max_body_bytes=max_body_bytes, max_stream_buffer=max_stream_buffer)
         from ..config import parse_bytes
+        from ..step import linear_mode, packed_count
 
         ecfg = EngineConfig(max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait, scheduler=scheduler,
                             device_kv_budget=None if device_kv_budget is None
                             else parse_bytes("--device-kv-budget", device_kv_budget),
                             device_kv_fraction=device_kv_fraction, on_pressure=on_pressure,
-                            host_kv_budget=None if host_kv_budget is None else parse_bytes("--host-kv-budget", host_kv_budget))
+                            host_kv_budget=None if host_kv_budget is None else parse_bytes("--host-kv-budget", host_kv_budget),
+                            linear=linear_mode())
         resolve_dtype(dtype, resolve_device(device))
-        m, tok = kvtier.load_model(model, device=device, dtype=dtype)
-        from ..step import packed_count
-
-        packed = packed_count(m)
-        step = f" · {m.dtype}, {packed} linears prepacked" if packed else f" · {m.dtype}, stock linears"
+        m, tok = kvtier.load_model(model, device=device, dtype=dtype, linear="eager")  # the engine's thread packs
         settings.position_limit = getattr(m.config, "max_position_embeddings", None)
         shown = ", ".join(f"{k} {v}" for k, v in params.items())
 
         def ready(server):
             eng = server.config.app.state.server.engine
+            packed = packed_count(m)
+            step = f" · {m.dtype}, {packed} linears prepacked" if packed else f" · {m.dtype}, stock linears"
             console.print(f"kvtier serve: {settings.served_name} on http://{host}:{port}/v1 · policy {policy}"
                           f"{f' ({shown})' if shown else ''} · {eng.describe()}, queue {max_queue}{step}"
                           + (f" · {len(keys)} API key(s)" if keys else " · no API key"), highlight=False)

@@ -338,3 +338,38 @@ def test_metrics_show_the_budget_and_the_pressure(tiny):
                  "kvtier_budget_violations_total 0.0", "kvtier_device_kv_bytes 0.0"):
         assert line in text, line
     assert "device-KV budget 1.0 MiB" in eng.describe() and "on pressure: demote" in eng.describe()
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "static"])
+def test_the_engine_packs_the_linears_on_its_own_thread(tiny, scheduler, monkeypatch):
+    """cfg.linear: the generation thread packs the model before start() returns (oneDNN weights reordered on the
+    thread that multiplies were measured 1.5x faster there), and serves the same text as the unpacked model."""
+    import copy
+
+    import kvtier.step as step
+    from kvtier.serve import make_engine
+    from kvtier.step.linear import packable
+
+    if not packable(torch.float32):
+        pytest.skip("this torch build has no oneDNN")
+    model, tok = tiny
+    fast = copy.deepcopy(model)
+    where = []
+    real = step.pack_linears
+
+    def spy(m, mode=None):
+        where.append(threading.current_thread().name)
+        return real(m, mode)
+
+    monkeypatch.setattr(step, "pack_linears", spy)
+    eng = make_engine(fast, tok, EngineConfig(max_batch=4, scheduler=scheduler, linear="packed")).start()
+    assert where == ["kvtier-engine"]
+    assert step.packed_count(fast) == 7 * model.config.num_hidden_layers + 1
+    r = _req(_prompt(tok, 7, 12), 24)
+    eng.submit(r)
+    assert r.sink.done.wait(60)
+    eng.shutdown(grace_s=1)
+    assert r.sink.end[0] == "done"
+    assert r.sink.text == _alone(model, tok, r)
+    with pytest.raises(ValueError, match="linear must be one of"):
+        EngineConfig(linear="fast")
