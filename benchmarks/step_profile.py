@@ -6,7 +6,7 @@
 For each batch size: a `full` (or `--policy`) cache is prefilled with `--context` random tokens, `--warmup` decode
 steps run untimed, then `--steps` steps run under torch.profiler. The ops' self CPU time is summed by what they do
 (the projections and MLP matmuls, attention, norms, rotary, activations, sampling, copies, the rest), and the
-step's wall time minus the ops' time is what Python and dispatch cost. Beside it: the weights' bytes, the memcpy
+step's wall time minus the ops' time is what Python and dispatch cost. Beside it: the weights' bytes, the read
 peak `kvtier bench` measures, and the step's floor at batch 1 (the weights read once per step at that bandwidth).
 Writes `profile_b<B>.txt` (torch's top ops) and `summary.json` / `summary.md`.
 """
@@ -25,10 +25,10 @@ import torch
 
 import kvtier
 from kvtier.compat import cache_kw
-from kvtier.transfer import memcpy_peak_gbps
+from kvtier.tools.bench import read_peak_gbps
 
 CATEGORIES = [  # first match wins; names of aten ops as the profiler records them
-    ("matmul (projections, MLP, lm head)", r"^aten::(addmm|mm|bmm|linear|matmul|_mkldnn|mkldnn_|onednn)"),
+    ("matmul (projections, MLP, lm head)", r"^(aten::(addmm|mm|bmm|linear|matmul|_mkldnn|mkldnn_|onednn)|mkldnn::_linear)"),
     ("attention", r"(scaled_dot_product|_flash_attention|kvtier|fused_decode|softmax)"),
     ("norm", r"(rms_norm|layer_norm|pow|rsqrt|mean)"),
     ("rotary / elementwise", r"^aten::(mul|add|sub|neg|cat|slice|cos|sin|div|where|sigmoid|silu|gelu|tanh)"),
@@ -60,7 +60,9 @@ def lscpu() -> str:
 
 def run(model_name: str, batch: int, context: int, steps: int, warmup: int, policy: str, dtype: str, out: Path) -> dict:
     model, tok = kvtier.load_model(model_name, device="cpu", dtype=dtype)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    from kvtier.step import step_weight_bytes
+
+    weight_bytes = step_weight_bytes(model)  # packed weights included, embedding rows not
     ids = torch.randint(10, model.config.vocab_size - 10, (batch, context))
     cache = kvtier.make_cache(policy, model)
     with torch.no_grad():
@@ -108,27 +110,27 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
-    peak = memcpy_peak_gbps(torch.device("cpu"))
+    peak = read_peak_gbps(torch.device("cpu"))
     rows = []
     for b in [int(x) for x in a.batch.split(",")]:
         r = run(a.model, b, a.context, a.steps, a.warmup, a.policy, a.dtype, a.out)
-        r["floor_ms_weights_at_memcpy_peak"] = 1e3 * r["weight_bytes"] / (peak * 1e9)
-        r["vs_floor"] = r["ms_per_step"] / r["floor_ms_weights_at_memcpy_peak"]
+        r["floor_ms_weights_at_read_peak"] = 1e3 * r["weight_bytes"] / (peak * 1e9)
+        r["vs_floor"] = r["ms_per_step"] / r["floor_ms_weights_at_read_peak"]
         rows.append(r)
         print(json.dumps({k: v for k, v in r.items() if k != "ms_by_category"}), flush=True)
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "cpu": lscpu(),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "model": a.model, "policy": a.policy,
-            "memcpy_peak_gbps": peak, "command": "python benchmarks/step_profile.py " + " ".join(
+            "read_peak_gbps": peak, "command": "python benchmarks/step_profile.py " + " ".join(
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items())}
     (a.out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     cats = sorted({c for r in rows for c in r["ms_by_category"]}, key=lambda c: -rows[0]["ms_by_category"].get(c, 0))
     lines = [f"# Decode step profile: {a.model}, {a.policy} cache, context {a.context}", "",
-             f"{meta['date']} · torch {meta['torch']} · {meta['threads']} threads · memcpy peak {peak:.1f} GB/s",
+             f"{meta['date']} · torch {meta['torch']} · {meta['threads']} threads · read peak {peak:.1f} GB/s",
              "", "```", meta["cpu"], "```", "", f"`{meta['command']}`", "",
-             "| batch | ms/step | floor (weights at memcpy peak) | vs floor | Python + dispatch | "
+             "| batch | ms/step | floor (weights at read peak) | vs floor | Python + dispatch | "
              + " | ".join(cats) + " |", "|" + "---|" * (5 + len(cats))]
     for r in rows:
-        lines.append(f"| {r['batch']} | {r['ms_per_step']:.1f} | {r['floor_ms_weights_at_memcpy_peak']:.1f} | "
+        lines.append(f"| {r['batch']} | {r['ms_per_step']:.1f} | {r['floor_ms_weights_at_read_peak']:.1f} | "
                      f"{r['vs_floor']:.2f}× | {r['ms_python_and_dispatch']:.1f} | "
                      + " | ".join(f"{r['ms_by_category'].get(c, 0):.1f}" for c in cats) + " |")
     lines += ["", "Categories are the ops' self CPU time per step (ms), under the profiler (its own overhead "
