@@ -5,9 +5,13 @@ activations). Stock ``F.linear`` in bf16 hands oneDNN a plain row-major weight a
 blocked layout on every call; measured on a 2-core AMX Xeon, the 0.5B model's 24 layers of projections take 49 ms
 a step that way and 36 ms from a weight reordered once (``benchmarks/results/``). :class:`PackedLinear` holds only
 the reordered weight (the plain one is released, so the model does not grow), and runs
-``mkldnn._linear_pointwise`` on it. The reference is ``F.linear`` on the plain weight; in bf16 the two are mostly the
-same oneDNN kernel and agree bit for bit; where oneDNN blocks differently (some prefill row counts) they agree to
-rounding (bounded in the tests).
+``mkldnn._linear_pointwise`` on it. The reference is ``F.linear`` on the plain weight; in bf16 the two mostly run
+the same oneDNN kernel and agree bit for bit, but stock runs its own GEMV at one row (it rounds ~6% of one-row
+down-projections one bf16 unit the other way) and oneDNN blocks some prefill row counts differently: there they
+agree to rounding (bounded in tests/step/test_linear.py).
+
+Pack on the thread that will multiply: weights reordered on one thread and multiplied on another ran ~1.5x slower
+(measured, not root-caused), which is why ``kvtier serve``'s engine packs on its own thread.
 
 Modes (``linear=`` of :func:`kvtier.load_model`, the ``KVTIER_LINEAR`` variable, ``kvtier --linear``):
 ``auto`` packs bf16 models on CPUs with native bf16 (AVX512-BF16 / AMX), where it is measured faster, and leaves
