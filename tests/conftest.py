@@ -35,6 +35,21 @@ def _find_data_dir() -> Path:
 DATA_DIR = _find_data_dir()
 
 
+def _embedded_installed() -> bool:
+    from kvtier.models import ModelLoadError, embedded_parts
+
+    try:
+        embedded_parts()
+        return True
+    except ModelLoadError:
+        return False
+
+
+# tests that load the embedded 0.5B model: skipped where its data packages are not installed
+needs_embedded = pytest.mark.skipif(not _embedded_installed(),
+                                    reason="embedded model parts not installed (make test installs them)")
+
+
 @pytest.fixture(scope="session")
 def qwen2():
     return random_model("tiny-qwen2", dtype=torch.float32)

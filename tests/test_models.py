@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from conftest import needs_embedded
 
 import kvtier
 from kvtier import models
@@ -87,16 +88,8 @@ def test_hash_mismatch_is_refused_and_nothing_is_kept(tmp_path, monkeypatch):
     assert out.read_bytes() == parts[0].read_bytes() + parts[1].read_bytes()
 
 
-def _embedded_installed() -> bool:
-    try:
-        models.embedded_parts()
-        return True
-    except ModelLoadError:
-        return False
-
-
 @pytest.mark.slow
-@pytest.mark.skipif(not _embedded_installed(), reason="embedded model parts not installed (make test installs them)")
+@needs_embedded
 def test_embedded_model_loads_verifies_and_generates(tmp_path_factory, monkeypatch):
     cache_root = os.environ.get("KVTIER_CACHE") or str(tmp_path_factory.mktemp("kvtier-cache"))
     monkeypatch.setenv("KVTIER_CACHE", cache_root)

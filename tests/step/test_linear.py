@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from conftest import generate, prompt_ids
+from conftest import generate, needs_embedded, prompt_ids
 from torch import nn
 
 import kvtier
@@ -175,14 +175,6 @@ def test_load_model_packs_as_asked(monkeypatch):
         assert packed_count(m) > 0
 
 
-def _embedded_installed() -> bool:
-    try:
-        kvtier.models.embedded_parts()
-        return True
-    except kvtier.models.ModelLoadError:
-        return False
-
-
 def _embedded_pair(dtype: str):
     from kvtier.models import EMBEDDED_NAME, chat_prompt
 
@@ -199,7 +191,7 @@ TIERED = dict(hbm_ratio=0.3, evict_ratio=0.0, retier_interval=64, recent_window=
 
 @pytest.mark.slow
 @needs_onednn
-@pytest.mark.skipif(not _embedded_installed(), reason="embedded model parts not installed (make test installs them)")
+@needs_embedded
 def test_embedded_model_fp32_greedy_tokens_equal_eager_over_256_steps():
     """Acceptance 1 on the embedded model in fp32: the same 256 greedy tokens for full and tiered, logits within
     4e-4 (measured on a 2-core AMX Xeon: 3.8e-5; logits reach ~30)."""
@@ -215,7 +207,7 @@ def test_embedded_model_fp32_greedy_tokens_equal_eager_over_256_steps():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not packable(torch.bfloat16), reason="oneDNN runs no bf16 linear on this CPU")
-@pytest.mark.skipif(not _embedded_installed(), reason="embedded model parts not installed (make test installs them)")
+@needs_embedded
 def test_embedded_model_bf16_agrees_with_eager_up_to_its_own_ties():
     """In bf16 the packed kernel and stock F.linear (which runs its own GEMV at one row) round the same products
     differently now and then (by one bf16 unit, in ~6% of one-row down-projections measured), and bf16 logits tie
