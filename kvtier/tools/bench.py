@@ -378,17 +378,24 @@ def step_floor(floors: dict, batch: int) -> dict:
     return {"floor_ms": max(read_ms, gemm_ms), "floor_kind": "bandwidth" if read_ms >= gemm_ms else "matmul"}
 
 
-def read_peak_gbps(device: torch.device, mib: int = 256, reps: int = 5) -> float:
-    """Read bandwidth in GB/s: the best of ``reps`` sums over ``mib`` MiB of float32 (a read with no write back)."""
-    x = torch.ones(mib * (1 << 18), device=device)
+def _best_seconds(fn: Callable[[], object], device: torch.device, reps: int, warm: bool = False) -> float:
+    """The fastest of ``reps`` synchronized calls of ``fn`` (``warm``: after one untimed call)."""
+    if warm:
+        fn()
     best = float("inf")
     for _ in range(reps):
         _sync(device)
         t = time.perf_counter()
-        x.sum()
+        fn()
         _sync(device)
         best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
+    return best
+
+
+def read_peak_gbps(device: torch.device, mib: int = 256, reps: int = 5) -> float:
+    """Read bandwidth in GB/s: the best of ``reps`` sums over ``mib`` MiB of float32 (a read with no write back)."""
+    x = torch.ones(mib * (1 << 18), device=device)
+    return x.numel() * 4 / _best_seconds(x.sum, device, reps) / 1e9
 
 
 def gemm_peak_gflops(model, device: torch.device, rows: int = 256, reps: int = 5) -> float:
@@ -401,15 +408,8 @@ def gemm_peak_gflops(model, device: torch.device, rows: int = 256, reps: int = 5
     lin = max((m for m in model.modules() if isinstance(m, (nn.Linear, PackedLinear))),
               key=lambda m: m.in_features * m.out_features if m.out_features < 65536 else 0)  # not the vocab head
     x = torch.randn(rows, lin.in_features, device=device).to(model.dtype)
-    best = float("inf")
     with torch.no_grad():
-        lin(x)
-        for _ in range(reps):
-            _sync(device)
-            t = time.perf_counter()
-            lin(x)
-            _sync(device)
-            best = min(best, time.perf_counter() - t)
+        best = _best_seconds(lambda: lin(x), device, reps, warm=True)
     return 2 * rows * lin.in_features * lin.out_features / best / 1e9
 
 
@@ -432,4 +432,3 @@ def _result(cfg: BenchConfig, device: torch.device, warmup: int, peak: float, fl
         "cpu_isa": cpu_isa() if device.type == "cpu" else None,
         "results": rows,
     }
-
