@@ -65,10 +65,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         from .scheduler import PRESSURE_MODES
 
-        from ..step import LINEAR_MODES
+        from ..step import linear_mode
 
-        if self.linear is not None and self.linear not in LINEAR_MODES:
-            raise ValueError(f"linear must be one of {list(LINEAR_MODES)} or None, got {self.linear!r}")
+        if self.linear is not None:
+            linear_mode(self.linear)  # the one check of the names: "linear must be one of [...], got ..."
         if self.scheduler not in ("continuous", "static"):
             raise ValueError(f"scheduler (--scheduler) must be 'continuous' or 'static', got {self.scheduler!r}")
         if self.on_pressure not in PRESSURE_MODES:
