@@ -7,12 +7,14 @@ Per loop iteration (one generation thread owns the model):
    and the engine applies its decision: T0 limits (demotion to T1, exact; or growth back), preemptions (the row's
    cache is dropped and its request goes back to the head of the wait list with what it generated, to be
    recomputed: nothing it already sent is sent again), rejections (HTTP 400 naming ``--device-kv-budget``) and
-   admissions: each admitted request is prefilled alone, in its own one-row cache, and draws its first token;
-3. one decode step over every running row (:class:`kvtier.cache.rows.RowsCache`): each row's attention runs through
-   its own cache, exactly as if it decoded alone; each row samples from its own settings and seed;
+   admissions: each admitted request gets its own empty one-row cache (whole prompts, up to
+   ``cfg.prefill_tokens`` prompt tokens a step, at least one);
+3. one forward over every running row (a packed :class:`kvtier.cache.rows.RowsCache`): a running row brings its
+   next token, a joining row its whole prompt (its prefill), laid end to end in one sequence; each row's attention
+   runs through its own cache, exactly as if it ran alone; each row samples from its own settings and seed;
 4. rows that finished (end of sequence, ``max_tokens``, a stop string, deadline, a client that left) free their
    slot and their bytes at once; the device bytes of all rows are summed from the caches and checked against the
-   budget after every prefill and every step (``kvtier_device_kv_peak_bytes``; a breach is counted and logged).
+   budget after every step (``kvtier_device_kv_peak_bytes``; a breach is counted and logged).
 
 Events go to each request's ``sink`` exactly as from :class:`kvtier.serve.engine.Engine` (the static engine).
 """
@@ -62,6 +64,7 @@ class _Row:
         self.queued_at = req.arrived
         self.first_token = False
         self.peak_device = 0
+        self.pending: list[int] | None = None  # to prefill at the next step (its cache is empty until then)
 
 
 class ContinuousEngine(Engine):
@@ -194,13 +197,20 @@ class ContinuousEngine(Engine):
             _safe_sink(r, ("error", 400, f"--device-kv-budget is {self.budget} bytes, and this request needs at least "
                            f"{least} bytes of device KV for {what} ({len(r.prompt_ids)} prompt tokens, "
                            f"--on-pressure {mode}); raise --device-kv-budget or send a shorter request"))
+        prefill = 0  # prompt tokens joining at the next step: whole prompts up to cfg.prefill_tokens, at least one
+        started = 0
         for key, t0 in d.admit:
             r = reqs[key]
+            n = self._wait_need(r).tokens
+            if started and prefill + n > self.cfg.prefill_tokens:
+                break  # it stays at the head of the wait list and is decided again after this step
             with self._cv:
                 if not self._remove_waiting(r):
                     continue  # cancelled meanwhile
             self._start(r, t0)
-        return len(d.admit)
+            prefill += n
+            started += 1
+        return started
 
     def _remove_waiting(self, r: GenRequest) -> bool:
         try:
@@ -211,8 +221,8 @@ class ContinuousEngine(Engine):
 
     # ---- rows ---------------------------------------------------------------------------------------
     def _start(self, req: GenRequest, t0: int | None) -> None:
-        """Prefill ``req`` alone in a new cache (its prompt and, after a preemption, what it generated) and draw
-        its next token; it joins the running rows."""
+        """Give ``req`` a row and a new empty cache; the next step prefills it (its prompt and, after a preemption,
+        what it generated) beside the running rows and draws its next token."""
         import kvtier
 
         row = self._resumed.pop(req.id, None)
@@ -229,34 +239,33 @@ class ContinuousEngine(Engine):
                 row.demoted += max(0, len(req.prompt_ids) - t0)
             self.live_caches.add(cache)
             row.cache = cache
-            ids = list(req.prompt_ids) + row.generated
+            row.pending = list(req.prompt_ids) + row.generated
             if resumed:
-                row.recomputed += len(ids)
-                self.metrics.recomputed_tokens += len(ids)
+                row.recomputed += len(row.pending)
+                self.metrics.recomputed_tokens += len(row.pending)
             self.metrics.prompt_tokens += len(req.prompt_ids) if not resumed else 0
-            dev = self.model.device
-            with torch.no_grad():
-                out = self.model(input_ids=torch.tensor([ids], device=dev), **cache_kw(self.model, cache),
-                                 use_cache=True, logits_to_keep=1)
-            self._note_device()
-            self._accept(row, out.logits[:, -1].float())
         except Exception as e:
-            log.exception("prefill failed for request %d", req.id)
+            log.exception("could not start request %d", req.id)
             self._fail(row, e)
 
     def _step(self) -> None:
+        """One forward over every running row: its next token, or a joining row's whole prefill, packed end to end
+        in one sequence (:class:`kvtier.cache.rows.RowsCache` with ``lengths``); each row draws its next token."""
         rows = list(self.rows)
         from ..cache.rows import RowsCache
 
-        rc = RowsCache([r.cache for r in rows])
+        seqs = [r.pending if r.pending is not None else [r.generated[-1]] for r in rows]
+        rc = RowsCache([r.cache for r in rows], lengths=[len(q) for q in seqs])
         dev = self.model.device
-        ids = torch.tensor([[r.generated[-1]] for r in rows], device=dev)
+        ids = torch.tensor([[t for q in seqs for t in q]], device=dev)
         with torch.no_grad():
             out = self.model(input_ids=ids, position_ids=rc.positions(dev), **cache_kw(self.model, rc), use_cache=True,
-                             logits_to_keep=1)
+                             logits_to_keep=rc.last_positions(dev))
         del rc
+        for r in rows:
+            r.pending = None
         self._note_device()
-        logits = out.logits[:, -1].float()  # once for all rows: a bf16 argmax over the vocabulary is ~0.5 ms a row
+        logits = out.logits[0].float()  # (B, V), once for all rows: a bf16 argmax over the vocabulary is ~0.5 ms a row
         produced = 0
         for i, row in enumerate(rows):
             if not row.done:

@@ -57,6 +57,8 @@ class EngineConfig:
     device_kv_fraction: float = 0.9  # on CUDA without a budget: this share of the memory free after the weights
     host_kv_budget: int | None = None  # bytes of host K/V (T1/T2) for all rows (None: half the RAM free at start)
     on_pressure: str = "demote"  # "demote" | "queue" | "recompute" (see kvtier.serve.scheduler)
+    # continuous: prompt tokens prefilled in one step beside the running rows (whole prompts; at least one a step)
+    prefill_tokens: int = 2048
     # Pack the model's linears (kvtier.step) on the engine's own thread as it starts, None: the model as given.
     # Why there: oneDNN weights reordered on the loading thread and multiplied on another ran 1.5x slower (8 rows,
     # 0.5B bf16, 2-core AMX Xeon: 125 vs 82 ms a step; reordered on the thread that multiplies, as fast as on one).
@@ -83,7 +85,7 @@ class EngineConfig:
         if self.scheduler == "static" and (self.device_kv_budget is not None or self.on_pressure != "demote"):
             raise ValueError("--device-kv-budget and --on-pressure need --scheduler continuous (the static scheduler "
                              "admits by count)")
-        for name in ("max_batch", "max_queue", "stats_every"):
+        for name in ("max_batch", "max_queue", "stats_every", "prefill_tokens"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {v!r}")

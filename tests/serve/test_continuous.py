@@ -173,6 +173,110 @@ def test_batched_step_rounds_only_in_the_model_matmuls(tiny):
         torch.testing.assert_close(a.layers[1].tail_k[:, :, :n], b.layers[1].tail_k[:, :, :n], rtol=0, atol=1e-4)
 
 
+@pytest.mark.parametrize("policies", [("full", "tiered", "full", "tiered"), ("h2o", "full", "snapkv", "tiered")])
+def test_packed_step_prefills_and_decodes_like_each_row_alone(tiny, policies):
+    """One packed forward: two running rows bring their next token and two joining rows their whole prompts, laid
+    end to end. Each row's attention is its own cache's (the same calls as alone); only the model's matmuls over
+    the packed tokens round differently (a GEMM over 4+N rows vs its own): the same 1e-4 bound on the logits and on
+    the K/V each cache stored, for the decode rows and for the prefills."""
+    model, tok = tiny
+    params = {"tiered": NO_EVICT, "h2o": {"budget_ratio": 0.5}, "snapkv": {"budget_ratio": 0.5}}
+
+    def cache(i):
+        return kvtier.make_cache(policies[i], model, **params.get(policies[i], {}))
+
+    def prefill(c, ids):
+        with torch.no_grad():
+            return model(input_ids=torch.tensor([ids]), **cache_kw(model, c), use_cache=True).logits[0, -1]
+
+    prompts = [_prompt(tok, 40 + i, 9 + 5 * i) for i in range(4)]
+    packed = [cache(i) for i in range(4)]
+    alone = [cache(i) for i in range(4)]
+    for i in (0, 1):  # the running rows: prefilled before the step
+        prefill(packed[i], prompts[i])
+        prefill(alone[i], prompts[i])
+    seqs = [[7], [8], prompts[2], prompts[3]]
+    with torch.no_grad():
+        rc = RowsCache(packed, lengths=[len(q) for q in seqs])
+        pos = rc.positions()
+        assert pos[0, :2].tolist() == [len(prompts[0]), len(prompts[1])] and pos[0, 2:2 + len(prompts[2])].tolist() \
+            == list(range(len(prompts[2])))
+        lp = model(input_ids=torch.tensor([[t for q in seqs for t in q]]), position_ids=pos, **cache_kw(model, rc),
+                   use_cache=True, logits_to_keep=rc.last_positions()).logits[0]
+        la = []
+        for i in (0, 1):
+            one = RowsCache([alone[i]])
+            la.append(model(input_ids=torch.tensor([seqs[i]]), position_ids=one.positions(), **cache_kw(model, one),
+                            use_cache=True).logits[0, -1])
+        la += [prefill(alone[i], prompts[i]) for i in (2, 3)]
+    assert lp.shape == (4, model.config.vocab_size)
+    diff = (lp - torch.stack(la)).abs().max().item()
+    assert diff <= 1e-4, f"a packed step's logits moved {diff} from the rows alone"
+    for a, b, q in zip(packed, alone, seqs):
+        assert a.state.n_total == b.state.n_total
+        ka, kb = a.layers[1].assemble()[0] if hasattr(a.layers[1], "assemble") else a.layers[1].k, \
+            b.layers[1].assemble()[0] if hasattr(b.layers[1], "assemble") else b.layers[1].k
+        torch.testing.assert_close(ka, kb, rtol=0, atol=1e-4)
+
+
+def test_packed_rows_cache_refuses_what_it_cannot_hold(tiny):
+    model, tok = tiny
+    full = kvtier.make_cache("full", model)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([_prompt(tok, 1, 6)]), **cache_kw(model, full), use_cache=True)
+    empty = kvtier.make_cache("full", model)
+    with pytest.raises(ValueError, match="lengths must give one count per row"):
+        RowsCache([full, empty], lengths=[1])
+    with pytest.raises(ValueError, match="only an empty cache takes more than one token"):
+        RowsCache([full], lengths=[3])
+    with pytest.raises(ValueError, match="prefilled cache of batch 1"):
+        RowsCache([full, empty])  # a decode step (B, 1) needs every row prefilled
+    with pytest.raises(ValueError, match="last_positions is for a packed step"):
+        RowsCache([full]).last_positions()
+
+
+class _Spans(_Watched):
+    """Records, for every step, how many rows it prefilled and how many prompt tokens that was."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.prefills: list[tuple[int, int]] = []
+
+    def _step(self):
+        joining = [r for r in self.rows if r.pending is not None]
+        self.prefills.append((len(joining), sum(len(r.pending) for r in joining)))
+        super()._step()
+
+
+@pytest.mark.parametrize("prefill_tokens,per_step", [(4096, 8), (50, 2)])
+def test_a_burst_is_prefilled_in_shared_steps_beside_the_running_rows(tiny, prefill_tokens, per_step):
+    """Eight requests that arrive together join in one step (or as many whole prompts as --prefill-tokens
+    allows per step, at least one), while a running row keeps decoding; every text equals the request's alone."""
+    model, tok = tiny
+    eng = _Spans(model, tok, EngineConfig(max_batch=16, prefill_tokens=prefill_tokens))
+    running = _req(_long_prompt(model, tok), 120, "tiered", NO_EVICT)
+    burst = [_req(_prompt(tok, 60 + i, 20 + i), 12, "full" if i % 2 else "tiered", {} if i % 2 else NO_EVICT)
+             for i in range(8)]
+    eng.submit(running)
+    eng.start()
+    while len(running.sink.events) < 2:
+        time.sleep(0.002)
+    steps = eng.metrics.steps
+    eng._loop_hook = lambda: [eng.submit(r) for r in burst]  # on the engine's thread: all eight wait at once
+    for r in [running, *burst]:
+        assert r.sink.done.wait(120)
+    eng.shutdown(grace_s=1)
+    joined = [(n, t) for n, t in eng.prefills if n]
+    assert joined[0][0] == 1  # the running row's own prefill
+    counts = [n for n, _ in joined[1:]]
+    assert sum(counts) == 8 and max(counts) <= per_step and max(counts) >= min(per_step, 2)
+    assert all(t <= prefill_tokens or n == 1 for n, t in joined[1:])
+    assert eng.metrics.steps > steps + 1  # the running row decoded through the joins
+    assert running.sink.text == _alone(model, tok, running)
+    for r in burst:
+        assert r.sink.end[0] == "done" and r.sink.text == _alone(model, tok, r), f"request {r.id} ({r.policy})"
+
+
 def _budget_for(eng, rows: int, tokens: int) -> int:
     return rows * eng._peak_bytes(tokens)
 
