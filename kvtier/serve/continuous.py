@@ -265,28 +265,33 @@ class ContinuousEngine(Engine):
         for r in rows:
             r.pending = None
         self._note_device()
-        logits = out.logits[0].float()  # (B, V), once for all rows: a bf16 argmax over the vocabulary is ~0.5 ms a row
+        logits = out.logits[0]  # (B, V) in the model's dtype
+        # Greedy rows: one max over the batch, in the model's dtype. The index is the first maximum, as float32
+        # argmax finds it (bf16 -> float32 is exact), but without the float32 copy of every row's logits: at 32
+        # rows of a 152K vocabulary, float() + argmax took ~15 ms a step, max on bf16 ~2 (2-core Xeon, AMX).
+        greedy = logits.max(dim=-1).indices.tolist() if any(r.sampler is None for r in rows) else None
         produced = 0
         for i, row in enumerate(rows):
             if not row.done:
                 produced += 1
-                self._accept(row, logits[i : i + 1])
+                self._accept(row, logits[i : i + 1], None if greedy is None else greedy[i])
         self.metrics.add_tokens(produced)
         self.metrics.steps += 1
 
-    def _accept(self, row: _Row, logits: torch.Tensor) -> None:
-        """Draw the row's next token from ``logits`` (1, V) float32 and stream it; finish the row if it is done."""
+    def _accept(self, row: _Row, logits: torch.Tensor, greedy: int | None = None) -> None:
+        """Draw the row's next token from ``logits`` (1, V) (``greedy``: its first maximum, if taken already) and
+        stream it; finish the row if it is done. Sampling runs on float32 logits."""
         if row.sampler is None:
-            tok = int(logits.argmax(dim=-1))
+            tok = int(logits.float().argmax(dim=-1)) if greedy is None else greedy
         else:
-            tok = int(row.sampler(None, logits).argmax(dim=-1))
+            tok = int(row.sampler(None, logits.float()).argmax(dim=-1))
         row.generated.append(tok)
         now = time.monotonic()
         if not row.first_token:
             row.first_token = True
             self.metrics.observe_ttft(now - row.req.arrived)
         r = row.req
-        if tok in self.eos:
+        if tok in self.eos and not r.ignore_eos:
             return self._finish(row, "stop")
         piece = row.detok.push(tok)
         if piece:
