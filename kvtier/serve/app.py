@@ -150,6 +150,7 @@ def _schemas(settings: ServeSettings):
         n: int = 1
         seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 64)
         logprobs: Optional[Any] = None
+        ignore_eos: bool = False  # vLLM's extension: decode through end-of-sequence tokens up to max_tokens (load tests)
         kvtier: Optional[CacheBlock] = None
 
     class Chat(Common):
@@ -325,7 +326,7 @@ class Server:
 
         req = GenRequest(prompt_ids=list(ids), max_tokens=int(max_tokens), sink=lambda ev: None, policy=policy,
                          params=params, temperature=float(body.temperature), top_p=float(body.top_p), stop=stop,
-                         seed=body.seed,
+                         seed=body.seed, ignore_eos=bool(body.ignore_eos),
                          deadline=time.monotonic() + self.s.request_timeout_s,
                          separate_reasoning=self.s.reasoning == "separate" and chat,
                          in_think=chat and prompt_opens_think(prompt))

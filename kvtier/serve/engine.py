@@ -126,6 +126,7 @@ class GenRequest:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None  # sampling: the row's own generator (None: a fresh random seed)
+    ignore_eos: bool = False  # decode through end-of-sequence tokens (they are not sent), up to max_tokens
     deadline: float = float("inf")  # time.monotonic() after which the request ends with "timeout"
     separate_reasoning: bool = True
     in_think: bool = False
@@ -137,7 +138,7 @@ class GenRequest:
         """Requests share a batch only if they share one cache object's settings and one sampler."""
         sampled = self.temperature > 0
         return (self.policy, tuple(sorted((k, repr(v)) for k, v in self.params.items())),
-                float(self.temperature) if sampled else 0.0, float(self.top_p) if sampled else 1.0)
+                float(self.temperature) if sampled else 0.0, float(self.top_p) if sampled else 1.0, self.ignore_eos)
 
     def cancel(self) -> None:
         """The client went away: the row is masked at the next step, or the request leaves the wait list."""
@@ -177,7 +178,7 @@ class _Rows:
                 continue
             tok = new[i]
             produced += 1
-            if tok in self.eos:
+            if tok in self.eos and not r.ignore_eos:
                 self._finish(i, "stop", counted=1)
                 continue
             piece = self.detok[i].push(tok)
@@ -400,6 +401,8 @@ class Engine:
             gen: dict = dict(max_new_tokens=max(r.max_tokens for r in batch), pad_token_id=self.pad_id,
                              stopping_criteria=StoppingCriteriaList([rows]))
             gen.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+            if batch[0].ignore_eos:  # generate's own end-of-sequence check would stop the rows (_Rows decides)
+                gen["eos_token_id"] = None
             if batch[0].temperature > 0:  # each row samples from its own seed: what it would draw alone
                 import random
 

@@ -14,7 +14,7 @@ from kvtier.compat import cache_kw
 from kvtier.cache.rows import RowsCache
 from kvtier.models import byte_tokenizer, random_model
 from kvtier.serve.continuous import ContinuousEngine
-from kvtier.serve.engine import EngineConfig, GenRequest
+from kvtier.serve.engine import Engine, EngineConfig, GenRequest
 
 NO_EVICT = {"hbm_ratio": 0.3, "evict_ratio": 0.0, "recent_window": 4, "retier_interval": 8}
 
@@ -477,3 +477,45 @@ def test_the_engine_packs_the_linears_on_its_own_thread(tiny, scheduler, monkeyp
     assert r.sink.text == _alone(model, tok, r)
     with pytest.raises(ValueError, match="linear must be one of"):
         EngineConfig(linear="fast")
+
+
+def _early_eos_prompt(model, tok, steps=40):
+    """A prompt whose greedy continuation hits an end of sequence within ``steps`` tokens."""
+    for i in range(400):
+        p = _prompt(tok, 3000 + i, 8)
+        c = kvtier.make_cache("full", model)
+        with torch.no_grad():
+            out = model.generate(input_ids=torch.tensor([p]), **cache_kw(model, c), max_new_tokens=steps, do_sample=False,
+                                 temperature=None, top_p=None, top_k=None, pad_token_id=tok.pad_token_id)
+        if tok.eos_token_id in out[0, len(p):].tolist():
+            return p
+    raise AssertionError("no prompt with an early end of sequence")
+
+
+@pytest.mark.parametrize("scheduler", ["continuous", "static"])
+def test_ignore_eos_decodes_max_tokens_through_end_of_sequence(tiny, scheduler):
+    """vLLM's ``ignore_eos`` (fixed output lengths for load tests): the row goes on past its end of sequence to
+    ``max_tokens``, ends "length", and what it sent before the end of sequence is the text it stops at without it."""
+    model, tok = tiny
+    p = _early_eos_prompt(model, tok)
+    eng = Engine(model, tok, EngineConfig(scheduler="static")) if scheduler == "static" else \
+        ContinuousEngine(model, tok, EngineConfig())
+    eng.start()
+    plain, through = _req(p, 60), _req(p, 60, ignore_eos=True)
+    eng.submit(plain)
+    assert plain.sink.done.wait(60)
+    eng.submit(through)
+    assert through.sink.done.wait(60)
+    eng.shutdown(grace_s=1)
+    assert plain.sink.end[1] == "stop" and plain.sink.end[2]["completion_tokens"] < 60
+    assert through.sink.end[1] == "length" and through.sink.end[2]["completion_tokens"] == 60
+    assert through.sink.text.startswith(plain.sink.text)
+
+
+def test_greedy_batch_max_is_the_first_maximum_float_argmax_finds():
+    """The engine takes greedy tokens as ``max(dim=-1).indices`` on the model's dtype (no float32 copy of the
+    logits): with ties (frequent in bfloat16) that is the first maximum, the token float32 argmax picks alone."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = (torch.randint(-3, 4, (8, 5000), generator=g).float() / 2).to(dtype)
+        assert torch.equal(x.max(dim=-1).indices, x.float().argmax(dim=-1))
