@@ -10,7 +10,7 @@ written to ``rows.jsonl`` as it completes (a rerun skips the rows already there)
 
 Systems: ``vllm`` (``python -m vllm.entrypoints.openai.api_server`` from its own venv, ``VLLM_CPU_OMP_THREADS_BIND``
 set to every core, ``VLLM_CPU_KVCACHE_SPACE`` GiB, or ``--num-gpu-blocks-override`` for a KV budget in blocks of
-16 tokens), ``kvtier-<policy>[:<scheduler>[:<on-pressure>]]`` (``kvtier serve`` with that default policy; e.g.
+``--block-size`` tokens, 128 by default on CPU), ``kvtier-<policy>[:<scheduler>[:<on-pressure>]]`` (``kvtier serve`` with that default policy; e.g.
 ``kvtier-full:static``, ``kvtier-full:continuous:queue``). ``--device-kv-budget`` applies to every kvtier system.
 Never two servers at once: each is started, loaded and stopped before the next.
 """
@@ -83,6 +83,15 @@ async def load(url: str, model: str, questions: list[str], clients: int, per_cli
     return st
 
 
+VLLM_KEPT = ("vllm:num_preemptions", "vllm:num_requests_running", "vllm:kv_cache_usage_perc",
+             "vllm:gpu_cache_usage_perc")
+
+
+def running_rows(m: dict[str, float]) -> int:
+    """Rows decoding now, from either server's /metrics."""
+    return int(m.get("kvtier_running_rows", 0) + sum(v for k, v in m.items() if k.startswith("vllm:num_requests_running")))
+
+
 def scrape(url: str) -> dict[str, float]:
     import httpx
 
@@ -90,7 +99,7 @@ def scrape(url: str) -> dict[str, float]:
     for line in httpx.get(url + "/metrics", timeout=30).text.splitlines():
         if line and not line.startswith("#"):
             m = re.match(r"^([a-zA-Z_:]+)(\{[^}]*\})?\s+([-+0-9.eEinfNa]+)$", line)
-            if m and (m.group(1).startswith("kvtier_") or m.group(1).startswith("vllm:num_preemptions")):
+            if m and (m.group(1).startswith("kvtier_") or m.group(1).startswith(VLLM_KEPT)):
                 out[m.group(1) + (m.group(2) or "")] = float(m.group(3))
     return out
 
@@ -114,6 +123,7 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 def start(system: str, args, port: int, log) -> tuple[subprocess.Popen, str, dict]:
     """The server process, the model name to send, and the body's extra fields."""
     env = dict(os.environ)
+    extra = {"ignore_eos": True} if args.ignore_eos else {}
     if system == "vllm":
         env.update(VLLM_CPU_OMP_THREADS_BIND=f"0-{os.cpu_count() - 1}", VLLM_CPU_KVCACHE_SPACE=str(args.vllm_kv_gib),
                    VLLM_LOGGING_LEVEL="WARNING")
@@ -122,12 +132,15 @@ def start(system: str, args, port: int, log) -> tuple[subprocess.Popen, str, dic
                "--max-model-len", str(args.max_model_len)]
         if args.vllm_blocks:
             cmd += ["--num-gpu-blocks-override", str(args.vllm_blocks)]
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), "m", {}
+        if args.vllm_block_size:
+            cmd += ["--block-size", str(args.vllm_block_size)]
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), "m", extra
     policy, *rest = system.split("-", 1)[1].split(":")
     scheduler = rest[0] if rest else "continuous"
     pressure = rest[1] if len(rest) > 1 else "demote"
     cmd = [sys.executable, "-m", "kvtier", "serve", "--model", args.kvtier_model, "--policy", policy, "--port", str(port),
-           "--max-batch", str(args.max_batch), "--max-queue", "256", "--scheduler", scheduler,
+           "--max-batch", str(args.static_max_batch if scheduler == "static" and args.static_max_batch else args.max_batch),
+           "--max-queue", "256", "--scheduler", scheduler,
            "--max-new-tokens", str(args.max_tokens), "--served-name", "m", "--dtype", args.kvtier_dtype]
     if scheduler == "continuous":
         cmd += ["--on-pressure", pressure]
@@ -135,7 +148,7 @@ def start(system: str, args, port: int, log) -> tuple[subprocess.Popen, str, dic
             cmd += ["--device-kv-budget", args.device_kv_budget]
     if policy != "full":
         cmd += ["--hbm-ratio", str(args.hbm_ratio), "--evict-ratio", str(args.evict_ratio)]
-    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), "m", {}
+    return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), "m", extra
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -180,6 +193,7 @@ def main() -> None:
     ap.add_argument("--vllm-python", default="python")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
     ap.add_argument("--vllm-blocks", type=int, default=0, help="--num-gpu-blocks-override (a KV budget in blocks)")
+    ap.add_argument("--vllm-block-size", type=int, default=0, help="--block-size (0: vLLM's default, 128 tokens on CPU)")
     ap.add_argument("--model-dir", default=str(Path(os.environ.get("KVTIER_CACHE", Path.home() / ".cache" / "kvtier"))
                                                / "converted" / "qwen2.5-coder-0.5b-instruct-float32"))
     ap.add_argument("--kvtier-model", default="qwen2.5-coder-0.5b-instruct")
@@ -188,6 +202,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     ap.add_argument("--label", default="", help="a tag stored with each row (e.g. the experiment)")
+    ap.add_argument("--ignore-eos", action="store_true", help="every request decodes max_tokens tokens (the body's "
+                    "ignore_eos, which both servers honour): a fixed output length for memory-pressure runs")
+    ap.add_argument("--static-max-batch", type=int, default=0, help="kvtier --scheduler static: --max-batch (what "
+                    "the budget holds at peak; the static scheduler admits by count)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows_path = args.out / "rows.jsonl"
@@ -197,6 +215,8 @@ def main() -> None:
     levels = [int(x) for x in args.clients.split(",")]
     meta = {"cpu": cpu_info(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv), "max_tokens": args.max_tokens, "per_client": args.per_client,
+            "ignore_eos": args.ignore_eos, "device_kv_budget": args.device_kv_budget, "vllm_blocks": args.vllm_blocks,
+            "vllm_block_size": args.vllm_block_size or None,
             "KVTIER_LINEAR": os.environ.get("KVTIER_LINEAR")}
     (args.out / f"meta{'_' + re.sub(r'[^A-Za-z0-9_.-]', '_', args.label) if args.label else ''}.json").write_text(
         json.dumps(meta, indent=1))
@@ -223,7 +243,7 @@ def main() -> None:
                             while not stop_poll:
                                 try:
                                     m = await asyncio.to_thread(scrape, url)
-                                    peak_rows[0] = max(peak_rows[0], int(m.get("kvtier_running_rows", 0)))
+                                    peak_rows[0] = max(peak_rows[0], running_rows(m))
                                 except Exception:
                                     pass
                                 await asyncio.sleep(1.0)
@@ -243,7 +263,7 @@ def main() -> None:
                            "tok_s": st["tokens"] / st["seconds"], "ttft_p50_s": pct(st["ttft"], 50),
                            "ttft_p99_s": pct(st["ttft"], 99), "itl_p50_ms": 1e3 * pct(st["itl"], 50),
                            "itl_p99_ms": 1e3 * pct(st["itl"], 99),
-                           "peak_rows": peak_rows[0] if system != "vllm" else None, "metrics": metrics,
+                           "peak_rows": peak_rows[0], "metrics": metrics,
                            "cpu": meta["cpu"]["model"], "date": meta["date"]}
                     with open(rows_path, "a") as f:
                         f.write(json.dumps(row) + "\n")

@@ -3,7 +3,9 @@
     python benchmarks/step_profile.py --model random:qwen2.5-0.5b --batch 1,8,32 --context 512 --steps 16 \
         --out benchmarks/results/step_profile_<date>/
 
-For each batch size: a `full` (or `--policy`) cache is prefilled with `--context` random tokens, `--warmup` decode
+For each batch size: a `full` (or `--policy`) cache is prefilled with `--context` random tokens (`--layout batch`:
+one cache of B rows, as `generate` and `kvtier bench` run; `--layout rows`: B one-row caches stepped together
+through a packed `RowsCache`, as `kvtier serve`'s continuous engine runs, sampling included), `--warmup` decode
 steps run untimed, then `--steps` steps run under torch.profiler. The ops' self CPU time is summed by what they do
 (the projections and MLP matmuls, attention, norms, rotary, activations, sampling, copies, the rest), and the
 step's wall time minus the ops' time is what Python and dispatch cost. Beside it: the weights' bytes, the read
@@ -58,21 +60,42 @@ def lscpu() -> str:
         return platform.processor()
 
 
-def run(model_name: str, batch: int, context: int, steps: int, warmup: int, policy: str, dtype: str, out: Path) -> dict:
-    model, tok = kvtier.load_model(model_name, device="cpu", dtype=dtype)
+_MODELS: dict = {}
+
+
+def run(model_name: str, batch: int, context: int, steps: int, warmup: int, policy: str, dtype: str, out: Path,
+        layout: str = "batch") -> dict:
+    if (model_name, dtype) not in _MODELS:
+        _MODELS[(model_name, dtype)] = kvtier.load_model(model_name, device="cpu", dtype=dtype)
+    model, tok = _MODELS[(model_name, dtype)]
     from kvtier.step import step_weight_bytes
 
     weight_bytes = step_weight_bytes(model)  # packed weights included, embedding rows not
     ids = torch.randint(10, model.config.vocab_size - 10, (batch, context))
-    cache = kvtier.make_cache(policy, model)
     with torch.no_grad():
-        out_ = model(input_ids=ids, **cache_kw(model, cache), use_cache=True)
-        nxt = out_.logits[:, -1].argmax(-1, keepdim=True)
+        if layout == "batch":
+            cache = kvtier.make_cache(policy, model)
+            out_ = model(input_ids=ids, **cache_kw(model, cache), use_cache=True)
+            nxt = out_.logits[:, -1].argmax(-1, keepdim=True)
 
-        def step():
-            nonlocal nxt
-            o = model(input_ids=nxt, **cache_kw(model, cache), use_cache=True)  # positions: the cache's length
-            nxt = o.logits[:, -1].argmax(-1, keepdim=True)
+            def step():
+                nonlocal nxt
+                o = model(input_ids=nxt, **cache_kw(model, cache), use_cache=True)  # positions: the cache's length
+                nxt = o.logits[:, -1].argmax(-1, keepdim=True)
+        else:
+            from kvtier.cache.rows import RowsCache
+
+            caches = [kvtier.make_cache(policy, model) for _ in range(batch)]
+            last = []
+            for i, c in enumerate(caches):
+                last.append(int(model(input_ids=ids[i : i + 1], **cache_kw(model, c), use_cache=True,
+                                      logits_to_keep=1).logits[0, -1].float().argmax()))
+
+            def step():  # what ContinuousEngine._step does for B running rows
+                rc = RowsCache(caches, lengths=[1] * batch)
+                o = model(input_ids=torch.tensor([last]), position_ids=rc.positions(), **cache_kw(model, rc),
+                          use_cache=True, logits_to_keep=rc.last_positions())
+                last[:] = o.logits[0].float().argmax(-1).tolist()
 
         for _ in range(warmup):
             step()
@@ -91,7 +114,7 @@ def run(model_name: str, batch: int, context: int, steps: int, warmup: int, poli
     for e in events:
         by[category(e.key)] = by.get(category(e.key), 0.0) + e.self_cpu_time_total / 1e6 / steps
     ops = sum(by.values())
-    return {"batch": batch, "context": context, "steps": steps, "ms_per_step": 1e3 * wall_plain,
+    return {"batch": batch, "layout": layout, "context": context, "steps": steps, "ms_per_step": 1e3 * wall_plain,
             "ms_per_step_profiled": 1e3 * wall_prof, "ms_ops": 1e3 * ops,
             "ms_python_and_dispatch": 1e3 * max(0.0, wall_prof - ops),
             "ms_by_category": {k: 1e3 * v for k, v in sorted(by.items(), key=lambda kv: -kv[1])},
@@ -107,13 +130,15 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--policy", default="full")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--layout", default="batch", choices=["batch", "rows"],
+                    help="batch: one B-row cache (generate, bench); rows: B one-row caches in a packed RowsCache (serve)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
     peak = read_peak_gbps(torch.device("cpu"))
     rows = []
     for b in [int(x) for x in a.batch.split(",")]:
-        r = run(a.model, b, a.context, a.steps, a.warmup, a.policy, a.dtype, a.out)
+        r = run(a.model, b, a.context, a.steps, a.warmup, a.policy, a.dtype, a.out, a.layout)
         r["floor_ms_weights_at_read_peak"] = 1e3 * r["weight_bytes"] / (peak * 1e9)
         r["vs_floor"] = r["ms_per_step"] / r["floor_ms_weights_at_read_peak"]
         rows.append(r)
@@ -124,7 +149,7 @@ def main() -> None:
                 f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items())}
     (a.out / "summary.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     cats = sorted({c for r in rows for c in r["ms_by_category"]}, key=lambda c: -rows[0]["ms_by_category"].get(c, 0))
-    lines = [f"# Decode step profile: {a.model}, {a.policy} cache, context {a.context}", "",
+    lines = [f"# Decode step profile: {a.model}, {a.policy} cache, context {a.context}, layout {a.layout}", "",
              f"{meta['date']} · torch {meta['torch']} · {meta['threads']} threads · read peak {peak:.1f} GB/s",
              "", "```", meta["cpu"], "```", "", f"`{meta['command']}`", "",
              "| batch | ms/step | floor (weights at read peak) | vs floor | Python + dispatch | "
