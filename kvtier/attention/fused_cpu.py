@@ -150,6 +150,37 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
                             float(score_scale), float(scaling), list(staged or []))
 
 
+def attend_rows(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], biases: list[torch.Tensor],
+                scaling: float) -> torch.Tensor:
+    """One region per row, many one-row caches in one call (a continuous-batching step of ``full`` rows).
+
+    Args:
+        qg: (R, H, g, D) queries grouped by kv-head, float32 or bfloat16 (other float dtypes: converted).
+        ks, vs: per row (1, H, C_i, D), one dtype (float32 or bfloat16), last dim contiguous.
+        biases: per row (1, 1, 1, C_i) float32, 0 on kept columns and -inf elsewhere (never read).
+    Returns:
+        (R, H, g, D) in ``qg``'s dtype: row ``i`` is bit for bit what :func:`attend` gives for row ``i`` alone
+        (batch 1, that one region, no scores); one parallel loop over every (row, kv-head) pair.
+    """
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the fused CPU decode kernel is not available (see the log for why)")
+    if qg.dtype not in (torch.float32, torch.bfloat16):
+        qg = qg.to(torch.float32)
+    return mod.fused_decode_rows(qg.contiguous(), ks, vs, biases, float(scaling))
+
+
+def append_rows(k: torch.Tensor, v: torch.Tensor, idx: list[int], dst_ks: list[torch.Tensor],
+                dst_vs: list[torch.Tensor], cols: list[int]) -> None:
+    """Write row ``i``'s new token ``k[:, idx[i]]`` / ``v[:, idx[i]]`` ((H, M, D), last dim contiguous) into column
+    ``cols[i]`` of ``dst_ks[i]`` / ``dst_vs[i]`` ((1, H, C_i, D), the same dtype), for every row in one call: what
+    ``dst[:, :, col] = k[:, idx]`` per row does, without two dispatches per row and layer."""
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the fused CPU decode kernel is not available (see the log for why)")
+    mod.append_rows(k, v, list(idx), dst_ks, dst_vs, list(cols))
+
+
 def take_staging_seconds() -> float:
     """Seconds the kernel's workers spent copying staged blocks in the calls this thread made since its last take,
     divided by the threads that share the work (the copies run side by side, one block per worker at a time): the
@@ -164,5 +195,5 @@ def staging_buffer_bytes() -> int:
     return 0 if mod is None else int(mod.staging_buffer_bytes())
 
 
-__all__ = ["KERNEL_MODES", "attend", "available", "bf16_dots", "build_name", "sdpa_is_faster", "staging_buffer_bytes",
+__all__ = ["KERNEL_MODES", "append_rows", "attend", "attend_rows", "available", "bf16_dots", "build_name", "sdpa_is_faster", "staging_buffer_bytes",
            "supports", "take_staging_seconds"]

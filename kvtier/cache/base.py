@@ -97,6 +97,16 @@ class KVTierLayer(CacheLayerMixin):
                 "make the cache for the model that uses it: kvtier.make_cache(policy, model)"
             )
 
+    def fused_slot(self, key_states):
+        """A RowsCache step's update without the copy (``(k_buf, v_buf, column)`` to write the token into), or
+        None: then ``update`` it. Only where :meth:`fused_region` serves the step."""
+        return None
+
+    def fused_region(self, n_heads_q: int):
+        """This decode step's one region for a fused-kernel call across rows (``(k, v, bias)``), or None: then
+        ``attend`` it. Only a cache without scores has one (:meth:`kvtier.cache.layer.TieredLayer.fused_region`)."""
+        return None
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.state.n_total + query_length, 0  # logical length: masks and RoPE stay true
 

@@ -107,8 +107,13 @@ class TieredLayer(KVTierLayer):
         self.state.note_device(self.layer_idx, self._device_bytes())
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        start = self._room(k.shape[2])
+        self.tail_k[:, :, start : start + k.shape[2]] = k
+        self.tail_v[:, :, start : start + k.shape[2]] = v
+
+    def _room(self, q: int) -> int:
+        """Make the tail hold the step's ``q`` new tokens (counted in ``n_total`` already): their first column."""
         st = self.state
-        q = k.shape[2]
         end = st.n_total - st.layout.n_main
         start = end - q
         if st.retier_enabled:
@@ -119,8 +124,7 @@ class TieredLayer(KVTierLayer):
             need, granule = end + 1, _WORK_ALIGN
         if need > self.tail_k.shape[2]:
             self._alloc_device(self.cap0, _roundup(need, granule), keep_tail=start)
-        self.tail_k[:, :, start:end] = k
-        self.tail_v[:, :, start:end] = v
+        return start
 
     def _fetch(self, mv, tail: tuple[torch.Tensor, torch.Tensor]):
         """Values of the moving tokens from their current place: (m, H, D) pairs, (int8, scale) pairs for T2."""
@@ -257,13 +261,7 @@ class TieredLayer(KVTierLayer):
             if st.retier_enabled:
                 self._migrate(tail=(key, value))
             return out.transpose(1, 2).contiguous(), None
-        if st.engine.allocations != st._seen_alloc:
-            st.note_device()
-        if self.layer_idx == 0:
-            lay = st.layout
-            # device tokens peak just before a reassignment: T0 + every row's tail (decode tokens are all real)
-            st.peak_device_tokens = max(st.peak_device_tokens, lay.tiers[T0].count
-                                        + int(st.valid[:, lay.n_main : st.n_total].sum()))
+        self._decode_bookkeeping()
         if st.attention == "ordered":
             out = tiered.attend_ordered(self, query, scaling)
         elif not st.retier_enabled:
@@ -271,6 +269,47 @@ class TieredLayer(KVTierLayer):
         else:
             out = tiered.attend_split(self, query, scaling)
         return out.reshape(B, Hq, 1, D).transpose(1, 2), None
+
+    def _decode_bookkeeping(self) -> None:
+        """What a decode step notes before it attends: device allocations, and (layer 0) the device tokens' peak."""
+        st = self.state
+        if st.engine.allocations != st._seen_alloc:
+            st.note_device()
+        if self.layer_idx == 0:
+            lay = st.layout
+            # device tokens peak just before a reassignment: T0 + every row's tail (decode tokens are all real)
+            st.peak_device_tokens = max(st.peak_device_tokens, lay.tiers[T0].count
+                                        + int(st.valid[:, lay.n_main : st.n_total].sum()))
+
+    def fused_slot(self, key_states: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """A RowsCache step's :meth:`update` of a cache that :meth:`fused_region` serves, without the copy: the
+        bookkeeping (``key_states`` (1, H, 1, D), the row's new keys, needed by layer 0 only) and room for the
+        token; returns ``(tail_k, tail_v, column)`` for the caller to write the token into (one call for all
+        rows: :func:`kvtier.attention.fused_cpu.append_rows`), or None: then :meth:`update` it."""
+        st = self.state
+        if not st.rows_fused or st.batch != 1 or st.n_total == 0 or not self.is_initialized:
+            return None
+        if self.layer_idx == 0:
+            st.begin_update(key_states)
+        if self.version != st.version:
+            self._migrate()
+        col = self._room(1)  # first: it may reallocate the buffer
+        return self.tail_k, self.tail_v, col
+
+    def fused_region(self, n_heads_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """This decode step's one region for a fused-kernel call across rows (:mod:`kvtier.cache.rows`), after
+        the bookkeeping :meth:`attend` does: ``(k, v, bias)`` — the device buffer (1, H, C, D) with its (1, 1, 1, C)
+        mask, what :func:`kvtier.attention.tiered.attend_full` reads — or None when the step is not one region
+        without scores (a tiered or demoted cache, an ordered or eager one, a prefill): then :meth:`attend` it.
+        Called after :meth:`update` has added the step's token."""
+        st = self.state
+        if not st.rows_fused or st.batch != 1 or st.n_total <= 1:
+            return None
+        if self.layer_idx == 0:
+            st.n_heads_q = n_heads_q
+        self._decode_bookkeeping()
+        bias, _ = st.device_view(0, self.tail_k.shape[2])
+        return self.dev_k, self.dev_v, bias
 
     def assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Kept K and V of this layer in position order (the ordered path's work buffers; see

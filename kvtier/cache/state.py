@@ -73,6 +73,7 @@ class TierState:
         self.host_threaded = host_threaded
         self.kernel = kernel
         self.fused = False  # this cache's split decode runs the fused CPU kernel (decided at the first update)
+        self._kernel_ok = False  # the kernel could take its step (decided at the first update): rows_fused
         self.host: HostAttention | None = None
         self.bandwidth: dict[str, float] | None = None
         # rows that stream their host tiers, in place of the per-layout choice (tests and tuning; eager path only:
@@ -135,10 +136,18 @@ class TierState:
         self.engine = TransferEngine(k.device, n_slots=self.num_layers if self.t1_on_device else 1)
         self.host = HostAttention(k.device, self.num_layers, threaded=self.host_threaded)
         self.fused = self._want_fused(k)
+        self._kernel_ok = self.kernel != "eager" and self.attention == "split" and self._kernel_blocker(k) is None
         self.layout = Layout.empty(B)
         if k.device.type == "cuda":
             self._cuda_base = torch.cuda.memory_allocated(k.device)
         self._grow(256)
+
+    @property
+    def rows_fused(self) -> bool:
+        """Whether a RowsCache step may attend this cache's decode step in one fused-kernel call across rows
+        (:mod:`kvtier.cache.rows`): a cache without scores (``full``, until it is demoted) whose kernel is possible
+        and not refused (``kernel="eager"``), on a CPU where SDPA is the faster path for one cache or not."""
+        return self._kernel_ok and not self.retier_enabled
 
     def _want_fused(self, k: torch.Tensor) -> bool:
         """The fused CPU kernel attends every region in one call where all of them are in CPU memory (a CPU
@@ -147,6 +156,15 @@ class TierState:
         (:func:`kvtier.attention.fused_cpu.sdpa_is_faster`); its eager path is SDPA."""
         if self.kernel == "eager" or self.attention != "split":
             return False
+        why = self._kernel_blocker(k)
+        if why is not None and self.kernel == "fused":
+            raise ValueError(f"kernel='fused' is not possible for policy {self.policy!r}: {why}")
+        if why is None and not self.retier_enabled and self.kernel == "auto":
+            return not fused_cpu.sdpa_is_faster(k.dtype)
+        return why is None
+
+    def _kernel_blocker(self, k: torch.Tensor) -> str | None:
+        """Why the fused CPU kernel cannot take this cache's step (None: it can)."""
         why = None
         if k.device.type != "cpu":
             why = f"the device is {k.device.type} (the fused kernel runs on CPU devices)"
@@ -156,11 +174,7 @@ class TierState:
             why = "host_threaded=True runs the host tiers on a worker thread"
         elif not fused_cpu.available():
             why = "it could not be built (see the log)"
-        if why is not None and self.kernel == "fused":
-            raise ValueError(f"kernel='fused' is not possible for policy {self.policy!r}: {why}")
-        if why is None and not self.retier_enabled and self.kernel == "auto":
-            return not fused_cpu.sdpa_is_faster(k.dtype)
-        return why is None
+        return why
 
     def _grow(self, need: int) -> None:
         if need <= self.cap:

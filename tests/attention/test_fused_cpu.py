@@ -162,6 +162,83 @@ def test_kernel_rejects_bad_shapes():
         fused_cpu.attend(q, [k], [k], [bias], [pos + 1], [scores], 1.0, 1.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 24])
+def test_rows_entry_is_each_row_alone_bit_for_bit(dtype, q_dtype, D):
+    """``attend_rows`` (many one-row caches in one call) gives each row exactly what ``attend`` gives it alone
+    (batch 1, its one region, no scores), and both are the softmax (float64 reference, bounded). Rows of 1 to 300
+    keys, strided column slices whose masked slots hold NaN (never read), a row with every column masked."""
+    g = torch.Generator().manual_seed(7)
+    H, gq = 2, 3
+    sizes = [1, 17, 300, 64, 5, 40]
+    q = torch.randn(len(sizes), H, gq, D, generator=g).to(q_dtype)
+    ks, vs, biases = [], [], []
+    for i, C in enumerate(sizes):
+        k = torch.randn(1, H, C + 7, D, generator=g) * 2
+        v = torch.randn(1, H, C + 7, D, generator=g)
+        valid = torch.rand(1, C, generator=g) < 0.8
+        valid[0, 0] = True
+        if i == 4:
+            valid[:] = False
+        nan = ~valid.view(1, 1, C, 1).expand(1, H, C, D)
+        k[:, :, :C][nan] = float("nan")
+        v[:, :, :C][nan] = float("nan")
+        ks.append(k.to(dtype)[:, :, :C])
+        vs.append(v.to(dtype)[:, :, :C])
+        biases.append(mask_bias(valid))
+    scale = D ** -0.5
+    out = fused_cpu.attend_rows(q, ks, vs, biases, scale)
+    assert out.shape == q.shape and out.dtype == q_dtype
+    pos = [torch.arange(C).view(1, C) for C in sizes]
+    for i in range(len(sizes)):
+        alone = fused_cpu.attend(q[i : i + 1], [ks[i]], [vs[i]], [biases[i]], [pos[i]], None, 0.0, scale)
+        assert torch.equal(out[i : i + 1], alone), f"row {i}"
+        keep = biases[i][0, 0, 0] == 0
+        if not keep.any():
+            assert torch.equal(out[i], torch.zeros_like(out[i]))  # no key: output 0, never NaN
+            continue
+        kk, vv = ks[i][0][:, keep].double(), vs[i][0][:, keep].double()  # (H, n, D)
+        w = torch.softmax(q[i].double() @ kk.transpose(1, 2) * scale, dim=-1)  # (H, g, n)
+        tol = 2e-2 if torch.bfloat16 in (dtype, q_dtype) else 1e-5
+        torch.testing.assert_close(out[i].double(), w @ vv, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_append_rows_writes_what_slice_assignment_writes(dtype):
+    """``append_rows`` puts row i's token (column idx[i] of a strided (H, M, D) view) in column cols[i] of its own
+    buffer, as ``dst[:, :, col] = k[:, idx]`` per row does, and touches nothing else."""
+    g = torch.Generator().manual_seed(1)
+    H, M, D = 2, 9, 24
+    src_k = torch.randn(M, H, D, generator=g).to(dtype).transpose(0, 1)  # (H, M, D), strided like a batch's keys
+    src_v = torch.randn(M, H, D, generator=g).to(dtype).transpose(0, 1)
+    idx, cols = [0, 4, 8], [0, 3, 255]
+    bufs = [(torch.randn(1, H, 256, D, generator=g).to(dtype), torch.randn(1, H, 256, D, generator=g).to(dtype))
+            for _ in idx]
+    ref = [(k.clone(), v.clone()) for k, v in bufs]
+    for (k, v), i, c in zip(ref, idx, cols):
+        k[0, :, c], v[0, :, c] = src_k[:, i], src_v[:, i]
+    fused_cpu.append_rows(src_k, src_v, idx, [k for k, _ in bufs], [v for _, v in bufs], cols)
+    for (k, v), (rk, rv) in zip(bufs, ref):
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+    with pytest.raises(RuntimeError, match="row 0: index 9 or column 0 out of range"):
+        fused_cpu.append_rows(src_k, src_v, [9], [bufs[0][0]], [bufs[0][1]], [0])
+    with pytest.raises(RuntimeError, match="row 0: destination dtype"):
+        fused_cpu.append_rows(src_k.double(), src_v.double(), [0], [bufs[0][0]], [bufs[0][1]], [0])
+
+
+def test_rows_entry_rejects_bad_shapes():
+    q = torch.randn(2, 2, 3, 16)
+    k = torch.randn(1, 2, 5, 16)
+    bias = mask_bias(torch.ones(1, 5, dtype=torch.bool))
+    with pytest.raises(RuntimeError, match="one k, v, bias per row"):
+        fused_cpu.attend_rows(q, [k], [k], [bias], 1.0)
+    with pytest.raises(RuntimeError, match="row 1: k/v must be"):
+        fused_cpu.attend_rows(q, [k, k[:, :1]], [k, k[:, :1]], [bias, bias], 1.0)
+    with pytest.raises(RuntimeError, match="row 0: bias must be"):
+        fused_cpu.attend_rows(q, [k, k], [k, k], [bias[..., :4], bias], 1.0)
+
+
 @pytest.mark.parametrize("model_name", ["qwen2", "llama"])
 @pytest.mark.parametrize("quant", [0.0, 0.1])
 def test_fused_equals_eager_through_generation(model_name, quant, request):

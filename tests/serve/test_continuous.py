@@ -11,6 +11,7 @@ import torch
 
 import kvtier
 from kvtier.compat import cache_kw
+from kvtier.attention import fused_cpu
 from kvtier.cache.rows import RowsCache
 from kvtier.models import byte_tokenizer, random_model
 from kvtier.serve.continuous import ContinuousEngine
@@ -519,3 +520,62 @@ def test_greedy_batch_max_is_the_first_maximum_float_argmax_finds():
     for dtype in (torch.bfloat16, torch.float32):
         x = (torch.randint(-3, 4, (8, 5000), generator=g).float() / 2).to(dtype)
         assert torch.equal(x.max(dim=-1).indices, x.float().argmax(dim=-1))
+
+
+def test_full_rows_share_one_kernel_call_and_attend_as_alone(tiny, monkeypatch):
+    """A step's ``full`` rows (one region, no scores) are attended by one fused-kernel call across rows; every other
+    row (tiered, a demoted full, a full one refusing the kernel, a prefill) by its own layer. Each row's output is
+    bit for bit what it gets stepped alone (its own layer 0's update and attend, the same q/k/v), packed or batched,
+    mixed or all ``full``, over 240 steps (the buffers grow); the call is really made, over the ``full`` rows that
+    decode."""
+    model, tok = tiny
+    kinds = [("full", {}), ("tiered", NO_EVICT), ("full", {"kernel": "eager"}), ("full", {}), ("full", {}),
+             ("full", {})]
+
+    def caches(which):
+        out = []
+        for i in which:
+            policy, params = kinds[i]
+            c = kvtier.make_cache(policy, model, **params)
+            if i < 5:  # row 5 joins: its prompt is prefilled in the packed step
+                with torch.no_grad():
+                    model(input_ids=torch.tensor([_prompt(tok, 60 + i, 4 + 9 * i)]), **cache_kw(model, c),
+                          use_cache=True)
+            if i == 3:
+                c.limit_device(4)  # demoted: full -> tiered without eviction (its own attend, with scores)
+            out.append(c)
+        return out
+
+    cfg = model.config
+    Hq, H, D = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    calls = []
+    real = fused_cpu.attend_rows
+    monkeypatch.setattr(fused_cpu, "attend_rows", lambda qg, *a: calls.append(qg.shape[0]) or real(qg, *a))
+    g = torch.Generator().manual_seed(3)
+    cases = [(range(6), [1, 1, 1, 1, 1, 6], 2), (range(5), None, 2), ([0, 4], [1, 1], 2), ([0, 4], None, 2),
+             ([1, 2], None, None)]
+    for which, lengths, together in cases:
+        rows, alone = caches(which), caches(which)
+        # the first step as given, then 240 decode steps: every buffer grows past its first 256 columns
+        for step in range(241 if which != range(6) else 1):
+            n = sum(lengths) if lengths else len(rows)
+            shape = (1, Hq, n, D) if lengths else (n, Hq, 1, D)
+            q = torch.randn(*shape, generator=g)
+            k = torch.randn(shape[0], H, shape[2], D, generator=g)
+            v = torch.randn(shape[0], H, shape[2], D, generator=g)
+            rc = RowsCache(rows, lengths=lengths)
+            calls.clear()
+            rc.layers[0].update(k, v)
+            out = rc.layers[0].attend(q, k, v, None, D ** -0.5)[0]
+            assert calls == ([together] if together else []), (list(which), lengths, calls)
+            spans = rc.spans or [(i, 1) for i in range(len(rows))]
+            for i, (s, m) in enumerate(spans):
+                one = alone[i].layers[0]  # the row's own layer: its update and attend, no RowsCache
+                cut = (lambda t: t[:, :, s : s + m]) if lengths else (lambda t: t[i : i + 1])
+                one.update(cut(k), cut(v))
+                ref = one.attend(cut(q), cut(k), cut(v), None, D ** -0.5)[0]
+                got = out[:, s : s + m] if lengths else out[i : i + 1]
+                assert torch.equal(got, ref), \
+                    f"row {i} {kinds[list(which)[i]]}, {'packed' if lengths else 'batched'}, step {step}"
+            if lengths:
+                lengths = [1] * len(rows)

@@ -603,12 +603,103 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
   return out;
 }
 
+// Many one-row caches in one call (a continuous-batching step): row i (of R) attends its own one region
+// ks[i]/vs[i] (1, H, C_i, D) under biases[i] (1, 1, 1, C_i), no scores. q (R, H, g, D) contiguous. Every (row,
+// kv-head) pair is one work item of a single parallel loop, computed by the very code fused_decode runs for that
+// row alone (run_rows on its (0, h) pair): the same floats as R calls of batch 1, without R dispatches.
+torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
+                                std::vector<torch::Tensor> biases, double scaling) {
+  TORCH_CHECK(q.dim() == 4 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
+              "q: (R, H, g, D) float32 or bfloat16 contiguous");
+  const int64_t R = q.size(0), H = q.size(1), g = q.size(2), D = q.size(3);
+  TORCH_CHECK(R >= 1 && static_cast<int64_t>(ks.size()) == R && static_cast<int64_t>(vs.size()) == R &&
+                  static_cast<int64_t>(biases.size()) == R, "one k, v, bias per row of q");
+  const auto kv_type = ks[0].scalar_type();
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16, "k/v: float32 or bfloat16");
+  std::vector<std::vector<Region>> regs(static_cast<size_t>(R));
+  for (int64_t i = 0; i < R; ++i) {
+    const auto &k = ks[i], &v = vs[i], &bias = biases[i];
+    TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == 1 && k.size(1) == H && k.size(3) == D,
+                "row ", i, ": k/v must be (1, H, C, D) matching q");
+    TORCH_CHECK(k.scalar_type() == kv_type && v.scalar_type() == kv_type, "row ", i, ": one k/v dtype");
+    TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "row ", i, ": k/v last dim must be contiguous");
+    const int64_t C = k.size(2);
+    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == 1 && bias.size(3) == C && bias.scalar_type() == at::kFloat &&
+                    bias.stride(3) == 1, "row ", i, ": bias must be (1, 1, 1, C) float32");
+    regs[i].push_back(Region{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
+                             v.stride(1), v.stride(2), bias.data_ptr<float>(), bias.stride(0), nullptr, 0, C,
+                             nullptr, 0, 0, false});
+  }
+  auto out = torch::empty({R, H, g, D}, q.options());
+  const float sc = static_cast<float>(scaling);
+  std::atomic<int64_t> stage_ns{0};  // no region is staged: stays 0
+  auto go = [&](auto kv_tag, auto* qp, auto* op) {
+    using T = decltype(kv_tag);
+    using QO = std::remove_pointer_t<decltype(qp)>;
+    at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t i = t / H, h = t % H;
+        run_rows<T, QO>(h, h + 1, qp + i * H * g * D, op + i * H * g * D, nullptr, regs[i], H, g, D,
+                        regs[i][0].C, sc, false, stage_ns);
+      }
+    });
+  };
+  const bool q16 = q.scalar_type() == at::kBFloat16;
+  using bf16 = c10::BFloat16;
+  if (kv_type == at::kFloat && !q16)
+    go(float{}, q.data_ptr<float>(), out.data_ptr<float>());
+  else if (kv_type == at::kFloat)
+    go(float{}, q.data_ptr<bf16>(), out.data_ptr<bf16>());
+  else if (!q16)
+    go(bf16{}, q.data_ptr<float>(), out.data_ptr<float>());
+  else
+    go(bf16{}, q.data_ptr<bf16>(), out.data_ptr<bf16>());
+  return out;
+}
+
+// The step's new token of R one-row caches written into their buffers in one call: row i's token is column
+// idx[i] of k/v (H, M, D) and goes to column cols[i] of dst_ks[i]/dst_vs[i] (1, H, C_i, D). Replaces 2R slice
+// + copy_ pairs a layer (each ~2-5 us of dispatch for 256 bytes).
+void append_rows(torch::Tensor k, torch::Tensor v, std::vector<int64_t> idx, std::vector<torch::Tensor> dst_ks,
+                 std::vector<torch::Tensor> dst_vs, std::vector<int64_t> cols) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k/v: (H, M, D) with the last dim contiguous");
+  const int64_t H = k.size(0), M = k.size(1), D = k.size(2);
+  const size_t R = idx.size();
+  TORCH_CHECK(dst_ks.size() == R && dst_vs.size() == R && cols.size() == R, "one index, k, v, column per row");
+  const size_t el = k.element_size();
+  const auto* ks = static_cast<const char*>(k.data_ptr());
+  const auto* vs = static_cast<const char*>(v.data_ptr());
+  for (size_t i = 0; i < R; ++i) {
+    const auto &dk = dst_ks[i], &dv = dst_vs[i];
+    TORCH_CHECK(dk.dim() == 4 && dv.sizes() == dk.sizes() && dk.size(0) == 1 && dk.size(1) == H && dk.size(3) == D &&
+                    dk.stride(3) == 1 && dv.stride(3) == 1, "row ", i, ": destination must be (1, H, C, D) matching k");
+    TORCH_CHECK(dk.scalar_type() == k.scalar_type() && dv.scalar_type() == k.scalar_type(), "row ", i,
+                ": destination dtype must be k's");
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < M && cols[i] >= 0 && cols[i] < dk.size(2), "row ", i, ": index ", idx[i],
+                " or column ", cols[i], " out of range");
+    auto* pk = static_cast<char*>(dk.data_ptr());
+    auto* pv = static_cast<char*>(dv.data_ptr());
+    for (int64_t h = 0; h < H; ++h) {
+      std::memcpy(pk + (h * dk.stride(1) + cols[i] * dk.stride(2)) * el,
+                  ks + (h * k.stride(0) + idx[i] * k.stride(1)) * el, D * el);
+      std::memcpy(pv + (h * dv.stride(1) + cols[i] * dv.stride(2)) * el,
+                  vs + (h * v.stride(0) + idx[i] * v.stride(1)) * el, D * el);
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // without the GIL, like torch's own ops: a server's event loop keeps running while a layer attends
   m.def("fused_decode", &fused_decode, "fused multi-region decode attention with score update (CPU)",
         py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("biases"), py::arg("poss"), py::arg("scores"),
         py::arg("score_scale"), py::arg("scaling"), py::arg("staged") = std::vector<bool>{},
         py::call_guard<py::gil_scoped_release>());
+  m.def("fused_decode_rows", &fused_decode_rows, "one-region decode attention of many one-row caches in one call (CPU)",
+        py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("biases"), py::arg("scaling"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("append_rows", &append_rows, "write one new token per one-row cache into its buffer (CPU)",
+        py::arg("k"), py::arg("v"), py::arg("idx"), py::arg("dst_ks"), py::arg("dst_vs"), py::arg("cols"));
   m.def("take_staging_ns", []() { const int64_t ns = t_caller_stage_ns; t_caller_stage_ns = 0; return ns; },
         "nanoseconds spent copying staged blocks in this thread's calls since its last take, summed over workers");
   m.def("staging_buffer_bytes", []() { return g_stage_buffer_bytes.load(); },
