@@ -95,7 +95,7 @@ def run(model_name: str, batch: int, context: int, steps: int, warmup: int, poli
                 rc = RowsCache(caches, lengths=[1] * batch)
                 o = model(input_ids=torch.tensor([last]), position_ids=rc.positions(), **cache_kw(model, rc),
                           use_cache=True, logits_to_keep=rc.last_positions())
-                last[:] = o.logits[0].float().argmax(-1).tolist()
+                last[:] = o.logits[0].max(dim=-1).indices.tolist()  # the engine's greedy pick (model dtype)
 
         for _ in range(warmup):
             step()
