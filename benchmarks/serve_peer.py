@@ -163,11 +163,14 @@ def stop(proc: subprocess.Popen) -> None:
 
 def table(rows: list[dict]) -> str:
     head = ("| system | clients | requests | tok/s | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | peak rows | "
-            "preemptions | demoted tokens | peak device KV / budget |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+            "preemptions | recomputed tokens | demoted tokens | peak device KV / budget |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         m = r.get("metrics", {})
-        pre = m.get("kvtier_preemptions_total", m.get("vllm:num_preemptions_total"))
+        vpre = [v for k, v in m.items() if k.startswith("vllm:num_preemptions_total")]  # labelled per engine
+        pre = m.get("kvtier_preemptions_total", sum(vpre) if vpre else None)
+        rec = m.get("kvtier_recomputed_tokens_total")
         bud = m.get("kvtier_device_kv_budget_bytes")
         peak = m.get("kvtier_device_kv_peak_bytes")
         ratio = f"{peak / bud:.2f}" if bud and peak is not None else "–"
@@ -175,6 +178,7 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {name} | {r['clients']} | {r['requests']} | {r['tok_s']:.1f} | {r['ttft_p50_s']:.2f} | "
                      f"{r['ttft_p99_s']:.2f} | {r['itl_p50_ms']:.0f} | {r['itl_p99_ms']:.0f} | "
                      f"{r.get('peak_rows', '–')} | {'–' if pre is None else int(pre)} | "
+                     f"{'–' if rec is None else int(rec)} | "
                      f"{int(m['kvtier_demoted_tokens_total']) if 'kvtier_demoted_tokens_total' in m else '–'} | {ratio} |")
     return "\n".join(lines) + "\n"
 
