@@ -103,6 +103,10 @@ class KVTierCache(ShapeGuardedCache):
                                  "tokens cannot move to host memory without changing its output")
             if not st.retier_enabled:
                 st.retier_enabled = True  # full -> tiered: the whole cache is its tail until the next update
+                if st.batch is not None:
+                    # the path a tiered cache takes (the fused kernel where it can run), not the one chosen for
+                    # full: on a CPU where full keeps SDPA that would leave the eager split step, ~3x slower
+                    st.fused = st._kernel_ok
         changed = t0_tokens != st.t0_limit
         st.t0_limit = t0_tokens
         if changed and t0_tokens is not None and st.n_total > 0:

@@ -66,3 +66,20 @@ def test_limit_refused_where_it_would_change_output(qwen2):
         c.limit_device(4)
     with pytest.raises(ValueError, match="t0_tokens"):
         kvtier.make_cache("full", qwen2).limit_device(-1)
+
+
+def test_a_demoted_full_cache_takes_the_tiered_path(qwen2, monkeypatch):
+    """``full`` keeps SDPA where that is the faster one-region step (bf16 on AMX, simulated here); demoted, it is a
+    tiered cache and takes the tiered path (the fused kernel), not the eager split step (~3x slower, measured in
+    the first memory-pressure run); ``kernel="eager"`` still refuses the kernel. The texts stay the undemoted
+    ones."""
+    from kvtier.attention import fused_cpu
+
+    monkeypatch.setattr(fused_cpu, "sdpa_is_faster", lambda dtype: True)
+    a, la, c0 = _decode(qwen2, "full", IDS, 40)
+    assert not c0.state.fused
+    b, lb, c = _decode(qwen2, "full", IDS, 40, events={20: 8})
+    assert c.state.fused and c.state.retier_enabled and a == b
+    torch.testing.assert_close(lb, la, rtol=0, atol=1e-4)
+    _, _, e = _decode(qwen2, "full", IDS, 30, events={20: 8}, kernel="eager")
+    assert not e.state.fused
