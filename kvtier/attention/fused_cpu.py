@@ -150,24 +150,27 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
                             float(score_scale), float(scaling), list(staged or []))
 
 
-def attend_rows(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], biases: list[torch.Tensor],
-                scaling: float) -> torch.Tensor:
-    """One region per row, many one-row caches in one call (a continuous-batching step of ``full`` rows).
+def attend_rows(qg: torch.Tensor, calls: list[tuple], scaling: float) -> torch.Tensor:
+    """Many one-row caches in one call (a continuous-batching step): row ``i`` does what :func:`attend` does for it
+    alone with ``calls[i]``.
 
     Args:
         qg: (R, H, g, D) queries grouped by kv-head, float32 or bfloat16 (other float dtypes: converted).
-        ks, vs: per row (1, H, C_i, D), one dtype (float32 or bfloat16), last dim contiguous.
-        biases: per row (1, 1, 1, C_i) float32, 0 on kept columns and -inf elsewhere (never read).
+        calls: per row ``(ks, vs, biases, poss, scores, score_scale)``, :func:`attend`'s arguments for that row
+            (batch 1: K/V (1, H, C_r, D), one dtype for every row; ``scores`` None or one accumulator per region).
+            No region is staged (streamed tiers are attended by :func:`attend`, which times the staging per call).
     Returns:
-        (R, H, g, D) in ``qg``'s dtype: row ``i`` is bit for bit what :func:`attend` gives for row ``i`` alone
-        (batch 1, that one region, no scores); one parallel loop over every (row, kv-head) pair.
+        (R, H, g, D) in ``qg``'s dtype: row ``i`` bit for bit what :func:`attend` gives it alone, and each row's
+        scores added in the same order; one parallel loop over every (row, kv-head) pair.
     """
     mod = _module()
     if mod is None:
         raise RuntimeError("the fused CPU decode kernel is not available (see the log for why)")
     if qg.dtype not in (torch.float32, torch.bfloat16):
         qg = qg.to(torch.float32)
-    return mod.fused_decode_rows(qg.contiguous(), ks, vs, biases, float(scaling))
+    ks, vs, biases, poss, scores, scales = zip(*calls)
+    return mod.fused_decode_rows(qg.contiguous(), list(ks), list(vs), list(biases), list(poss),
+                                 [s or [] for s in scores], [float(x) for x in scales], float(scaling))
 
 
 def append_rows(k: torch.Tensor, v: torch.Tensor, idx: list[int], dst_ks: list[torch.Tensor],

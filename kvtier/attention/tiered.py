@@ -105,21 +105,10 @@ def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], me
     (host buffers or their staged copies), one softmax, scores added to the accumulator each region's tokens
     belong to (the host one for host-attended tiers). Returns (B, H, g, D) float32."""
     st = layer.state
-    bias, dpos = st.device_view(layer.cap0, layer.tail_k.shape[2])
-    ks, vs, biases, poss, scores = [layer.dev_k], [layer.dev_v], [bias], [dpos], [st.scores]
-    staged = [False]
-    on_host = st.host_attn
     # streaming T1: the kernel stages it itself, block by block (see fused_cpu.attend); int8 T2 is staged
     # whole and dequantised on the device as on the eager path
-    kernel_stages = T1 in host_tiers and not on_host and not st.t1_on_device
-    if host_tiers:
-        for x, r in zip(host_tiers, host_regions(layer, host_tiers, meta, on_host, in_place=kernel_stages)):
-            k, v = r.kv(qg.dtype)
-            ks.append(k), vs.append(v), biases.append(r.bias), poss.append(r.pos)
-            scores.append(st.scores_host if on_host else st.scores)
-            staged.append(kernel_stages and x == T1)
-        if on_host:
-            st.host.jobs += 1
+    kernel_stages = T1 in host_tiers and not st.host_attn and not st.t1_on_device
+    ks, vs, biases, poss, scores, staged = kernel_regions(layer, host_tiers, meta, qg.dtype, kernel_stages)
     out = fused_cpu.attend(qg, ks, vs, biases, poss, scores, inv, scaling, staged)
     if kernel_stages:
         t1 = layer._host_tensors(tiers=(T1,))
@@ -129,9 +118,50 @@ def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], me
         block = cap * D * layer.k1.element_size()
         st.engine.count_streamed(sum(t.numel() * t.element_size() for t in t1.values()),
                                  fused_cpu.take_staging_seconds(), min(torch.get_num_threads(), B * H) * block)
-    if host_tiers and not on_host and (T2 in host_tiers or not kernel_stages):
+    if host_tiers and not st.host_attn and (T2 in host_tiers or not kernel_stages):
         layer._release()
     return out
+
+
+def kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype: torch.dtype,
+                   kernel_stages: bool = False) -> tuple[list, list, list, list, list, list]:
+    """The fused kernel's regions for this layer's step: ``(ks, vs, biases, poss, scores, staged)`` — T0 and the
+    tail (one device buffer), then each host tier in ``host_tiers`` (attended in place on the host, or staged),
+    each scored into the accumulator its tokens belong to. Counts a host job when the host tiers are attended
+    there (what :mod:`.host` counts for the eager path)."""
+    st = layer.state
+    bias, dpos = st.device_view(layer.cap0, layer.tail_k.shape[2])
+    ks, vs, biases, poss, scores = [layer.dev_k], [layer.dev_v], [bias], [dpos], [st.scores]
+    staged = [False]
+    on_host = st.host_attn
+    if host_tiers:
+        for x, r in zip(host_tiers, host_regions(layer, host_tiers, meta, on_host, in_place=kernel_stages)):
+            k, v = r.kv(dtype)
+            ks.append(k), vs.append(v), biases.append(r.bias), poss.append(r.pos)
+            scores.append(st.scores_host if on_host else st.scores)
+            staged.append(kernel_stages and x == T1)
+        if on_host:
+            st.host.jobs += 1
+    return ks, vs, biases, poss, scores, staged
+
+
+def rows_call(layer: TieredLayer, dtype: torch.dtype) -> tuple | None:
+    """This layer's decode step as one row of :func:`kvtier.attention.fused_cpu.attend_rows` — ``(ks, vs, biases,
+    poss, scores, score_scale)``, the arguments :func:`attend_full` or :func:`attend_fused` would pass the kernel for
+    it (``dtype``: the query's, what a quantized tier is dequantized to) — or None where the step is not one kernel call without staging (the eager or ordered path, streamed host
+    tiers: then the layer attends it itself)."""
+    st = layer.state
+    if st.rows_fused:  # full: one region, no scores (the kernel's step, even where alone it would take SDPA)
+        bias, pos = st.device_view(0, layer.tail_k.shape[2])
+        return [layer.dev_k], [layer.dev_v], [bias], [pos], None, 0.0
+    if not (st.retier_enabled and st.fused and st.attention == "split"):
+        return None
+    lay = st.layout
+    host_tiers = [x for x in (T1, T2) if lay.tiers[x].count]
+    if host_tiers and not st.host_attn:
+        return None
+    ks, vs, biases, poss, scores, _ = kernel_regions(layer, host_tiers, st.meta(), dtype)
+    return ks, vs, biases, poss, scores, st.inv_heads_layers
 
 
 def host_regions(layer: TieredLayer, tiers: list[int], meta: dict, on_host: bool, rows: slice = slice(None),

@@ -99,12 +99,12 @@ class KVTierLayer(CacheLayerMixin):
 
     def fused_slot(self, key_states):
         """A RowsCache step's update without the copy (``(k_buf, v_buf, column)`` to write the token into), or
-        None: then ``update`` it. Only where :meth:`fused_region` serves the step."""
+        None: then ``update`` it (:meth:`kvtier.cache.layer.TieredLayer.fused_slot`)."""
         return None
 
-    def fused_region(self, n_heads_q: int):
-        """This decode step's one region for a fused-kernel call across rows (``(k, v, bias)``), or None: then
-        ``attend`` it. Only a cache without scores has one (:meth:`kvtier.cache.layer.TieredLayer.fused_region`)."""
+    def fused_region(self, n_heads_q: int, dtype):
+        """This decode step as one row of a fused-kernel call across rows (the kernel's arguments for it), or None:
+        then ``attend`` it (:meth:`kvtier.cache.layer.TieredLayer.fused_region`)."""
         return None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -282,12 +282,12 @@ class TieredLayer(KVTierLayer):
                                         + int(st.valid[:, lay.n_main : st.n_total].sum()))
 
     def fused_slot(self, key_states: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """A RowsCache step's :meth:`update` of a cache that :meth:`fused_region` serves, without the copy: the
-        bookkeeping (``key_states`` (1, H, 1, D), the row's new keys, needed by layer 0 only) and room for the
-        token; returns ``(tail_k, tail_v, column)`` for the caller to write the token into (one call for all
-        rows: :func:`kvtier.attention.fused_cpu.append_rows`), or None: then :meth:`update` it."""
+        """A RowsCache step's :meth:`update` without the copy: the bookkeeping (``key_states`` (1, H, 1, D), the
+        row's new keys, needed by layer 0 only) and room for the token; returns ``(tail_k, tail_v, column)`` for the
+        caller to write the token into (one call for all rows: :func:`kvtier.attention.fused_cpu.append_rows`), or
+        None (no kernel here, or not a one-row decode step): then :meth:`update` it."""
         st = self.state
-        if not st.rows_fused or st.batch != 1 or st.n_total == 0 or not self.is_initialized:
+        if not st._kernel_ok or st.batch != 1 or st.n_total == 0 or not self.is_initialized:
             return None
         if self.layer_idx == 0:
             st.begin_update(key_states)
@@ -296,20 +296,20 @@ class TieredLayer(KVTierLayer):
         col = self._room(1)  # first: it may reallocate the buffer
         return self.tail_k, self.tail_v, col
 
-    def fused_region(self, n_heads_q: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """This decode step's one region for a fused-kernel call across rows (:mod:`kvtier.cache.rows`), after
-        the bookkeeping :meth:`attend` does: ``(k, v, bias)`` — the device buffer (1, H, C, D) with its (1, 1, 1, C)
-        mask, what :func:`kvtier.attention.tiered.attend_full` reads — or None when the step is not one region
-        without scores (a tiered or demoted cache, an ordered or eager one, a prefill): then :meth:`attend` it.
-        Called after :meth:`update` has added the step's token."""
+    def fused_region(self, n_heads_q: int, dtype: torch.dtype) -> tuple | None:
+        """This decode step as one row of a fused-kernel call across rows (:mod:`kvtier.cache.rows`), after the
+        bookkeeping :meth:`attend` does: the kernel's arguments for it
+        (:func:`kvtier.attention.tiered.rows_call`), or None (the eager or ordered path, streamed host tiers, a
+        prefill): then :meth:`attend` it. Called after :meth:`update` has added the step's token."""
         st = self.state
-        if not st.rows_fused or st.batch != 1 or st.n_total <= 1:
+        if st.batch != 1 or st.n_total <= 1 or not (st.rows_fused or st.fused):
             return None
         if self.layer_idx == 0:
             st.n_heads_q = n_heads_q
-        self._decode_bookkeeping()
-        bias, _ = st.device_view(0, self.tail_k.shape[2])
-        return self.dev_k, self.dev_v, bias
+        call = tiered.rows_call(self, dtype)
+        if call is not None:
+            self._decode_bookkeeping()
+        return call
 
     def assemble(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Kept K and V of this layer in position order (the ordered path's work buffers; see

@@ -20,13 +20,15 @@ sequence back into the rows' spans and hands span ``i`` to row ``i``'s own layer
 prefill span is that row's prefill (causal within itself), a one-token span its decode step. Pass
 ``logits_to_keep=`` :meth:`RowsCache.last_positions` to get one logit row per cache.
 
-**Rows served together.** The decode step of a ``full`` row (one region, no scores) is the same few calls for
-every row, so a layer writes all such rows' new tokens in one call and attends them in one fused-kernel call
-(:func:`kvtier.attention.fused_cpu.append_rows`, :func:`~kvtier.attention.fused_cpu.attend_rows`): the same floats as
-each row through the kernel alone, without 2-4 dispatches per row and layer (32 rows at 512 tokens, bf16, 2-core
-Xeon with AMX: 145 -> 115 ms a step, ``benchmarks/step_profile.py --layout rows``). On a CPU where one ``full``
-cache alone takes SDPA instead (bf16 on AMX, :func:`~kvtier.attention.fused_cpu.sdpa_is_faster`), its rows in a
-RowsCache step take the kernel: the same tokens up to that rounding. Tiered, demoted, baseline and
+**Rows served together.** A row whose decode step is one call of the fused CPU kernel — ``full`` (one region, no
+scores) and the tiered family on the kernel's path (T0 + tail, T1 and T2 attended in place, scores folded) — has
+its new token written and its attention done together with the other such rows: one
+:func:`~kvtier.attention.fused_cpu.append_rows` and one :func:`~kvtier.attention.fused_cpu.attend_rows` call per
+layer, the same floats and scores as each row through the kernel alone, without 2-4 dispatches and a kernel call
+per row and layer (32 ``full`` rows at 512 tokens, bf16, 2-core Xeon with AMX: 145 -> 115 ms a step,
+``benchmarks/step_profile.py --layout rows``). On a CPU where one ``full`` cache alone takes SDPA instead (bf16 on
+AMX, :func:`~kvtier.attention.fused_cpu.sdpa_is_faster`), its rows in a RowsCache step take the kernel: the same
+tokens up to that rounding. Baseline rows (their own scoring), streamed host tiers, the ordered path and
 ``kernel="eager"`` rows go through their own layers as before.
 """
 
@@ -92,28 +94,27 @@ class RowsLayer(KVTierLayer):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scaling: float):
         """``query`` (B, Hq, 1, D) -> (B, 1, Hq, D): each row attended by its own layer, as if alone; packed:
-        (1, Hq, N, D) -> (1, N, Hq, D), span by span. The decode steps of rows that are one region without scores
-        (``full``; :meth:`~kvtier.cache.layer.TieredLayer.fused_region`) go to the fused kernel in one call across
-        rows, the same floats as each alone through the kernel."""
+        (1, Hq, N, D) -> (1, N, Hq, D), span by span. The decode steps of rows whose step is one fused-kernel call
+        (``full``, and tiered rows on the kernel's path; :meth:`~kvtier.cache.layer.TieredLayer.fused_region`) go
+        to the kernel in one call across rows, the same floats and scores as each alone through the kernel."""
         packed = self.spans is not None
         spans = self.spans if packed else [(i, 1) for i in range(len(self.rows))]
         Hq, D = query.shape[1], query.shape[3]
-        together, regions = [], []
+        together, calls = [], []
         for i, (row, (_, n)) in enumerate(zip(self.rows, spans)):
-            region = row.fused_region(Hq) if n == 1 else None
-            if region is not None:
+            call = row.fused_region(Hq, query.dtype) if n == 1 else None
+            if call is not None:
                 together.append(i)
-                regions.append(region)
+                calls.append(call)
         done = {}
         if together:
-            R, H = len(together), regions[0][0].shape[1]
+            R, H = len(together), calls[0][0][0].shape[1]
             if R == len(self.rows):  # every row decodes through the kernel: the queries in order, no gather
                 q = query[0].transpose(0, 1) if packed else query[:, :, 0]
             else:
                 at = torch.tensor([spans[i][0] for i in together], device=query.device)
                 q = query[0].index_select(1, at).transpose(0, 1) if packed else query[:, :, 0].index_select(0, at)
-            o = fused_cpu.attend_rows(q.reshape(R, H, Hq // H, D), [r[0] for r in regions], [r[1] for r in regions],
-                                      [r[2] for r in regions], scaling).view(R, 1, Hq, D)
+            o = fused_cpu.attend_rows(q.reshape(R, H, Hq // H, D), calls, scaling).view(R, 1, Hq, D)
             if R == len(self.rows):
                 return (o.view(1, R, Hq, D) if packed else o), None
             done = {i: o[j : j + 1] for j, i in enumerate(together)}  # (1, 1, Hq, D) each

@@ -166,39 +166,45 @@ def test_kernel_rejects_bad_shapes():
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 24])
 def test_rows_entry_is_each_row_alone_bit_for_bit(dtype, q_dtype, D):
-    """``attend_rows`` (many one-row caches in one call) gives each row exactly what ``attend`` gives it alone
-    (batch 1, its one region, no scores), and both are the softmax (float64 reference, bounded). Rows of 1 to 300
-    keys, strided column slices whose masked slots hold NaN (never read), a row with every column masked."""
+    """``attend_rows`` (many one-row caches in one call) gives each row exactly what ``attend`` gives it alone —
+    output and scores — and the output is the softmax (float64 reference, bounded). Rows of one region without
+    scores (``full``) and of three regions with scores (tiered: T0 + tail, T1, T2), 1 to 300 keys, strided column
+    slices whose masked slots hold NaN (never read), a row with every column masked, two regions sharing one
+    accumulator."""
     g = torch.Generator().manual_seed(7)
     H, gq = 2, 3
-    sizes = [1, 17, 300, 64, 5, 40]
-    q = torch.randn(len(sizes), H, gq, D, generator=g).to(q_dtype)
-    ks, vs, biases = [], [], []
-    for i, C in enumerate(sizes):
-        k = torch.randn(1, H, C + 7, D, generator=g) * 2
-        v = torch.randn(1, H, C + 7, D, generator=g)
-        valid = torch.rand(1, C, generator=g) < 0.8
-        valid[0, 0] = True
+    shapes = [[1], [17, 40, 8], [300], [64, 5, 30], [5], [40, 3, 12]]
+    q = torch.randn(len(shapes), H, gq, D, generator=g).to(q_dtype)
+    calls, alone_scores, refs = [], [], []
+    for i, sizes in enumerate(shapes):
+        regions, n_pos = _regions(2, H, D, sizes, dtype, g)
+        regions = [tuple(x[0:1] for x in r) for r in regions]  # row 0 (row 1 is the one without keys there)
         if i == 4:
-            valid[:] = False
-        nan = ~valid.view(1, 1, C, 1).expand(1, H, C, D)
-        k[:, :, :C][nan] = float("nan")
-        v[:, :, :C][nan] = float("nan")
-        ks.append(k.to(dtype)[:, :, :C])
-        vs.append(v.to(dtype)[:, :, :C])
-        biases.append(mask_bias(valid))
+            regions = [(k, v, torch.full_like(b, float("-inf")), p) for k, v, b, p in regions]
+        ks, vs, biases, poss = (list(x) for x in zip(*regions))
+        if len(sizes) == 1:  # full: no scores
+            calls.append((ks, vs, biases, poss, None, 0.0))
+            alone_scores.append(None)
+        else:
+            dev, host = torch.zeros(1, n_pos, dtype=torch.float64), torch.zeros(1, n_pos, dtype=torch.float64)
+            calls.append((ks, vs, biases, poss, [dev, host, host], 0.25))
+            alone_scores.append([dev.clone(), host.clone()])
+        refs.append((ks, vs, biases))
     scale = D ** -0.5
-    out = fused_cpu.attend_rows(q, ks, vs, biases, scale)
+    out = fused_cpu.attend_rows(q, calls, scale)
     assert out.shape == q.shape and out.dtype == q_dtype
-    pos = [torch.arange(C).view(1, C) for C in sizes]
-    for i in range(len(sizes)):
-        alone = fused_cpu.attend(q[i : i + 1], [ks[i]], [vs[i]], [biases[i]], [pos[i]], None, 0.0, scale)
+    for i, (ks, vs, biases, poss, scores, sc) in enumerate(calls):
+        mine = None if scores is None else [alone_scores[i][0], alone_scores[i][1], alone_scores[i][1]]
+        alone = fused_cpu.attend(q[i : i + 1], ks, vs, biases, poss, mine, sc, scale)
         assert torch.equal(out[i : i + 1], alone), f"row {i}"
-        keep = biases[i][0, 0, 0] == 0
+        if scores is not None:
+            assert torch.equal(scores[0], mine[0]) and torch.equal(scores[1], mine[1]), f"row {i} scores"
+        keep = torch.cat([b[0, 0, 0] for b in biases]) == 0
         if not keep.any():
             assert torch.equal(out[i], torch.zeros_like(out[i]))  # no key: output 0, never NaN
             continue
-        kk, vv = ks[i][0][:, keep].double(), vs[i][0][:, keep].double()  # (H, n, D)
+        kk = torch.cat([k[0] for k in ks], dim=1)[:, keep].double()  # (H, n, D)
+        vv = torch.cat([v[0] for v in vs], dim=1)[:, keep].double()
         w = torch.softmax(q[i].double() @ kk.transpose(1, 2) * scale, dim=-1)  # (H, g, n)
         tol = 2e-2 if torch.bfloat16 in (dtype, q_dtype) else 1e-5
         torch.testing.assert_close(out[i].double(), w @ vv, rtol=0, atol=tol)
@@ -231,12 +237,16 @@ def test_rows_entry_rejects_bad_shapes():
     q = torch.randn(2, 2, 3, 16)
     k = torch.randn(1, 2, 5, 16)
     bias = mask_bias(torch.ones(1, 5, dtype=torch.bool))
-    with pytest.raises(RuntimeError, match="one k, v, bias per row"):
-        fused_cpu.attend_rows(q, [k], [k], [bias], 1.0)
-    with pytest.raises(RuntimeError, match="row 1: k/v must be"):
-        fused_cpu.attend_rows(q, [k, k[:, :1]], [k, k[:, :1]], [bias, bias], 1.0)
-    with pytest.raises(RuntimeError, match="row 0: bias must be"):
-        fused_cpu.attend_rows(q, [k, k], [k, k], [bias[..., :4], bias], 1.0)
+    pos = torch.arange(5).view(1, 5)
+    row = ([k], [k], [bias], [pos], None, 0.0)
+    with pytest.raises(RuntimeError, match="one list of k, v, bias, pos, scores and one score scale per row"):
+        fused_cpu.attend_rows(q, [row], 1.0)
+    with pytest.raises(RuntimeError, match="row 1 region 0: k/v must be"):
+        fused_cpu.attend_rows(q, [row, ([k[:, :1]], [k[:, :1]], [bias], [pos], None, 0.0)], 1.0)
+    with pytest.raises(RuntimeError, match="row 0 region 0: bias must be"):
+        fused_cpu.attend_rows(q, [([k], [k], [bias[..., :4]], [pos], None, 0.0), row], 1.0)
+    with pytest.raises(RuntimeError, match="row 1 region 0: scores must be"):
+        fused_cpu.attend_rows(q, [row, ([k], [k], [bias], [pos], [torch.zeros(1, 6)], 1.0)], 1.0)
 
 
 @pytest.mark.parametrize("model_name", ["qwen2", "llama"])

@@ -522,12 +522,12 @@ def test_greedy_batch_max_is_the_first_maximum_float_argmax_finds():
         assert torch.equal(x.max(dim=-1).indices, x.float().argmax(dim=-1))
 
 
-def test_full_rows_share_one_kernel_call_and_attend_as_alone(tiny, monkeypatch):
-    """A step's ``full`` rows (one region, no scores) are attended by one fused-kernel call across rows; every other
-    row (tiered, a demoted full, a full one refusing the kernel, a prefill) by its own layer. Each row's output is
-    bit for bit what it gets stepped alone (its own layer 0's update and attend, the same q/k/v), packed or batched,
-    mixed or all ``full``, over 240 steps (the buffers grow); the call is really made, over the ``full`` rows that
-    decode."""
+def test_kernel_rows_share_one_call_and_attend_as_alone(tiny, monkeypatch):
+    """A step's rows whose decode is one fused-kernel call (``full``; tiered and demoted ``full`` rows on the
+    kernel's path) are attended by one kernel call across rows; the others (a ``full`` one refusing the kernel, a
+    prefill) by their own layers. Each row's output and scores are bit for bit what it gets stepped alone (its own
+    layer 0's update and attend, the same q/k/v), packed or batched, mixed or all ``full``, over 240 steps (buffers
+    grow, tiered rows reassign); the call is really made, over exactly those rows."""
     model, tok = tiny
     kinds = [("full", {}), ("tiered", NO_EVICT), ("full", {"kernel": "eager"}), ("full", {}), ("full", {}),
              ("full", {})]
@@ -552,8 +552,8 @@ def test_full_rows_share_one_kernel_call_and_attend_as_alone(tiny, monkeypatch):
     real = fused_cpu.attend_rows
     monkeypatch.setattr(fused_cpu, "attend_rows", lambda qg, *a: calls.append(qg.shape[0]) or real(qg, *a))
     g = torch.Generator().manual_seed(3)
-    cases = [(range(6), [1, 1, 1, 1, 1, 6], 2), (range(5), None, 2), ([0, 4], [1, 1], 2), ([0, 4], None, 2),
-             ([1, 2], None, None)]
+    cases = [(range(6), [1, 1, 1, 1, 1, 6], 4), (range(5), None, 4), ([0, 4], [1, 1], 2), ([0, 4], None, 2),
+             ([1, 2], None, 1), ([2], None, None)]
     for which, lengths, together in cases:
         rows, alone = caches(which), caches(which)
         # the first step as given, then 240 decode steps: every buffer grows past its first 256 columns
@@ -575,7 +575,11 @@ def test_full_rows_share_one_kernel_call_and_attend_as_alone(tiny, monkeypatch):
                 one.update(cut(k), cut(v))
                 ref = one.attend(cut(q), cut(k), cut(v), None, D ** -0.5)[0]
                 got = out[:, s : s + m] if lengths else out[i : i + 1]
-                assert torch.equal(got, ref), \
-                    f"row {i} {kinds[list(which)[i]]}, {'packed' if lengths else 'batched'}, step {step}"
+                what = f"row {i} {kinds[list(which)[i]]}, {'packed' if lengths else 'batched'}, step {step}"
+                assert torch.equal(got, ref), what
+                a, b = rows[i].state, alone[i].state
+                assert torch.equal(a.scores, b.scores) and a.layout.tiers[1].count == b.layout.tiers[1].count, what
+                if a.scores_host is not None:
+                    assert torch.equal(a.scores_host, b.scores_host), what
             if lengths:
                 lengths = [1] * len(rows)

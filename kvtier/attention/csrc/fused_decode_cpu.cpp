@@ -24,6 +24,7 @@
 #endif
 #include <cstring>
 #include <limits>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -535,6 +536,47 @@ void fold_scores(const float* w, const std::vector<Region>& regs, int64_t B, int
   });
 }
 
+// The regions of one call: ks/vs (B, H, C_r, D) of dtype kv_type, biases (B, 1, 1, C_r) float32, poss (B, C_r)
+// int64, scores (B, N + 1) float64 per region (or none), staged flags (or none), checked and described; returns
+// their total column count. `what` prefixes the errors ("region ", or "row i region ").
+int64_t build_regions(const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs,
+                      const std::vector<torch::Tensor>& biases, const std::vector<torch::Tensor>& poss,
+                      const std::vector<torch::Tensor>& scores, const std::vector<bool>& staged, int64_t B, int64_t H,
+                      int64_t D, at::ScalarType kv_type, const std::string& what, std::vector<Region>& regs) {
+  const size_t R = ks.size();
+  TORCH_CHECK(R >= 1 && vs.size() == R && biases.size() == R && poss.size() == R, what, "lists: one k, v, bias, pos each");
+  const bool want_scores = !scores.empty();
+  TORCH_CHECK(!want_scores || scores.size() == R, what, "scores: one accumulator per region, or none");
+  TORCH_CHECK(staged.empty() || staged.size() == R, what, "staged: one flag per region, or none");
+  int64_t Ctot = 0;
+  for (size_t i = 0; i < R; ++i) {
+    const auto &k = ks[i], &v = vs[i], &bias = biases[i], &pos = poss[i];
+    TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == B && k.size(1) == H && k.size(3) == D,
+                what, i, ": k/v must be (B, H, C, D) matching q");
+    TORCH_CHECK(k.scalar_type() == kv_type && v.scalar_type() == kv_type, what, i, ": one k/v dtype");
+    TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, what, i, ": k/v last dim must be contiguous");
+    const int64_t C = k.size(2);
+    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(3) == C && bias.scalar_type() == at::kFloat &&
+                    bias.stride(3) == 1, what, i, ": bias must be (B, 1, 1, C) float32");
+    TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == C && pos.scalar_type() == at::kLong &&
+                    pos.stride(1) == 1, what, i, ": pos must be (B, C) int64");
+    Region r{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
+             v.stride(2), bias.data_ptr<float>(), bias.stride(0), pos.data_ptr<int64_t>(), pos.stride(0), C,
+             nullptr, 0, 0, !staged.empty() && staged[i]};
+    if (want_scores) {
+      const auto& sc = scores[i];
+      TORCH_CHECK(sc.dim() == 2 && sc.size(0) == B && sc.scalar_type() == at::kDouble && sc.stride(1) == 1,
+                  what, i, ": scores must be (B, N + 1) float64");
+      r.scores = sc.data_ptr<double>();
+      r.ss0 = sc.stride(0);
+      r.width = sc.size(1);
+    }
+    regs.push_back(r);
+    Ctot += C;
+  }
+  return Ctot;
+}
+
 }  // namespace
 
 // q (B, H, g, D) float32 or bfloat16 contiguous; ks/vs (B, H, C_r, D) float32 or bfloat16 (same for all), last dim contiguous;
@@ -549,40 +591,12 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
   TORCH_CHECK(q.dim() == 4 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
               "q: (B, H, g, D) float32 or bfloat16 contiguous");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), D = q.size(3);
-  const size_t R = ks.size();
-  TORCH_CHECK(R >= 1 && vs.size() == R && biases.size() == R && poss.size() == R, "one k, v, bias, pos per region");
+  TORCH_CHECK(!ks.empty(), "one k, v, bias, pos per region");
   const bool want_scores = !scores.empty();
-  TORCH_CHECK(!want_scores || scores.size() == R, "scores: one accumulator per region, or none");
-  TORCH_CHECK(staged.empty() || staged.size() == R, "staged: one flag per region, or none");
   const auto kv_type = ks[0].scalar_type();
   TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16, "k/v: float32 or bfloat16");
   std::vector<Region> regs;
-  int64_t Ctot = 0;
-  for (size_t i = 0; i < R; ++i) {
-    const auto &k = ks[i], &v = vs[i], &bias = biases[i], &pos = poss[i];
-    TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == B && k.size(1) == H && k.size(3) == D,
-                "region ", i, ": k/v must be (B, H, C, D) matching q");
-    TORCH_CHECK(k.scalar_type() == kv_type && v.scalar_type() == kv_type, "region ", i, ": one k/v dtype");
-    TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "region ", i, ": k/v last dim must be contiguous");
-    const int64_t C = k.size(2);
-    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == B && bias.size(3) == C && bias.scalar_type() == at::kFloat &&
-                    bias.stride(3) == 1, "region ", i, ": bias must be (B, 1, 1, C) float32");
-    TORCH_CHECK(pos.dim() == 2 && pos.size(0) == B && pos.size(1) == C && pos.scalar_type() == at::kLong &&
-                    pos.stride(1) == 1, "region ", i, ": pos must be (B, C) int64");
-    Region r{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1),
-             v.stride(2), bias.data_ptr<float>(), bias.stride(0), pos.data_ptr<int64_t>(), pos.stride(0), C,
-             nullptr, 0, 0, !staged.empty() && staged[i]};
-    if (want_scores) {
-      const auto& sc = scores[i];
-      TORCH_CHECK(sc.dim() == 2 && sc.size(0) == B && sc.scalar_type() == at::kDouble && sc.stride(1) == 1,
-                  "region ", i, ": scores must be (B, N + 1) float64");
-      r.scores = sc.data_ptr<double>();
-      r.ss0 = sc.stride(0);
-      r.width = sc.size(1);
-    }
-    regs.push_back(r);
-    Ctot += C;
-  }
+  const int64_t Ctot = build_regions(ks, vs, biases, poss, scores, staged, B, H, D, kv_type, "region ", regs);
   auto out = torch::empty({B, H, g, D}, q.options());
   // the merged weights (B, H, Ctot): a buffer of the calling thread, kept between calls (no per-step allocation)
   thread_local std::vector<float> w_buf;
@@ -603,34 +617,38 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
   return out;
 }
 
-// Many one-row caches in one call (a continuous-batching step): row i (of R) attends its own one region
-// ks[i]/vs[i] (1, H, C_i, D) under biases[i] (1, 1, 1, C_i), no scores. q (R, H, g, D) contiguous. Every (row,
-// kv-head) pair is one work item of a single parallel loop, computed by the very code fused_decode runs for that
-// row alone (run_rows on its (0, h) pair): the same floats as R calls of batch 1, without R dispatches.
-torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
-                                std::vector<torch::Tensor> biases, double scaling) {
+// Many one-row caches in one call (a continuous-batching step): row i (of R) attends its own regions ks[i]/vs[i]
+// (1, H, C, D each) under biases[i] with positions poss[i], and adds its merged weights, times score_scales[i], to
+// scores[i] (one accumulator per region, or an empty list: no scores). q (R, H, g, D) contiguous. Every (row,
+// kv-head) pair is one work item of a single parallel loop, computed by the code fused_decode runs for that row
+// alone (run_rows on its (0, h) pair), and each row's scores are folded as fused_decode folds a batch of 1: the same
+// floats as R calls of batch 1, without R dispatches. No region may be staged (the staging time is per call).
+torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<std::vector<torch::Tensor>> ks,
+                                std::vector<std::vector<torch::Tensor>> vs,
+                                std::vector<std::vector<torch::Tensor>> biases,
+                                std::vector<std::vector<torch::Tensor>> poss,
+                                std::vector<std::vector<torch::Tensor>> scores, std::vector<double> score_scales,
+                                double scaling) {
   TORCH_CHECK(q.dim() == 4 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
               "q: (R, H, g, D) float32 or bfloat16 contiguous");
   const int64_t R = q.size(0), H = q.size(1), g = q.size(2), D = q.size(3);
-  TORCH_CHECK(R >= 1 && static_cast<int64_t>(ks.size()) == R && static_cast<int64_t>(vs.size()) == R &&
-                  static_cast<int64_t>(biases.size()) == R, "one k, v, bias per row of q");
-  const auto kv_type = ks[0].scalar_type();
+  const size_t n = static_cast<size_t>(R);
+  TORCH_CHECK(ks.size() == n && vs.size() == n && biases.size() == n && poss.size() == n && scores.size() == n &&
+                  score_scales.size() == n, "one list of k, v, bias, pos, scores and one score scale per row of q");
+  TORCH_CHECK(!ks[0].empty(), "row 0: lists: one k, v, bias, pos each");
+  const auto kv_type = ks[0][0].scalar_type();
   TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16, "k/v: float32 or bfloat16");
-  std::vector<std::vector<Region>> regs(static_cast<size_t>(R));
-  for (int64_t i = 0; i < R; ++i) {
-    const auto &k = ks[i], &v = vs[i], &bias = biases[i];
-    TORCH_CHECK(k.dim() == 4 && v.sizes() == k.sizes() && k.size(0) == 1 && k.size(1) == H && k.size(3) == D,
-                "row ", i, ": k/v must be (1, H, C, D) matching q");
-    TORCH_CHECK(k.scalar_type() == kv_type && v.scalar_type() == kv_type, "row ", i, ": one k/v dtype");
-    TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "row ", i, ": k/v last dim must be contiguous");
-    const int64_t C = k.size(2);
-    TORCH_CHECK(bias.dim() == 4 && bias.size(0) == 1 && bias.size(3) == C && bias.scalar_type() == at::kFloat &&
-                    bias.stride(3) == 1, "row ", i, ": bias must be (1, 1, 1, C) float32");
-    regs[i].push_back(Region{k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), k.stride(2), v.stride(0),
-                             v.stride(1), v.stride(2), bias.data_ptr<float>(), bias.stride(0), nullptr, 0, C,
-                             nullptr, 0, 0, false});
+  std::vector<std::vector<Region>> regs(n);
+  std::vector<int64_t> ctot(n), w_off(n + 1, 0);
+  for (size_t i = 0; i < n; ++i) {
+    ctot[i] = build_regions(ks[i], vs[i], biases[i], poss[i], scores[i], {}, 1, H, D, kv_type,
+                            "row " + std::to_string(i) + " region ", regs[i]);
+    w_off[i + 1] = w_off[i] + (scores[i].empty() ? 0 : H * ctot[i]);
   }
   auto out = torch::empty({R, H, g, D}, q.options());
+  thread_local std::vector<float> w_buf;  // every row's merged weights (H, Ctot_i), end to end
+  w_buf.resize(static_cast<size_t>(w_off[n]));
+  float* const wp = w_buf.data();  // the caller's buffer: the name w_buf in a worker would be the worker's own
   const float sc = static_cast<float>(scaling);
   std::atomic<int64_t> stage_ns{0};  // no region is staged: stays 0
   auto go = [&](auto kv_tag, auto* qp, auto* op) {
@@ -639,8 +657,9 @@ torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<torch::Tensor> ks, 
     at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         const int64_t i = t / H, h = t % H;
-        run_rows<T, QO>(h, h + 1, qp + i * H * g * D, op + i * H * g * D, nullptr, regs[i], H, g, D,
-                        regs[i][0].C, sc, false, stage_ns);
+        const bool want = !scores[i].empty();
+        run_rows<T, QO>(h, h + 1, qp + i * H * g * D, op + i * H * g * D, want ? wp + w_off[i] : nullptr,
+                        regs[i], H, g, D, ctot[i], sc, want, stage_ns);
       }
     });
   };
@@ -654,6 +673,10 @@ torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<torch::Tensor> ks, 
     go(bf16{}, q.data_ptr<float>(), out.data_ptr<float>());
   else
     go(bf16{}, q.data_ptr<bf16>(), out.data_ptr<bf16>());
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {  // rows apart; inside one, fused_decode's order
+    for (int64_t i = begin; i < end; ++i)
+      if (!scores[i].empty()) fold_scores(wp + w_off[i], regs[i], 1, H, ctot[i], score_scales[i]);
+  });
   return out;
 }
 
@@ -695,8 +718,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("biases"), py::arg("poss"), py::arg("scores"),
         py::arg("score_scale"), py::arg("scaling"), py::arg("staged") = std::vector<bool>{},
         py::call_guard<py::gil_scoped_release>());
-  m.def("fused_decode_rows", &fused_decode_rows, "one-region decode attention of many one-row caches in one call (CPU)",
-        py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("biases"), py::arg("scaling"),
+  m.def("fused_decode_rows", &fused_decode_rows, "decode attention of many one-row caches in one call (CPU)",
+        py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("biases"), py::arg("poss"), py::arg("scores"),
+        py::arg("score_scales"), py::arg("scaling"),
         py::call_guard<py::gil_scoped_release>());
   m.def("append_rows", &append_rows, "write one new token per one-row cache into its buffer (CPU)",
         py::arg("k"), py::arg("v"), py::arg("idx"), py::arg("dst_ks"), py::arg("dst_vs"), py::arg("cols"));
