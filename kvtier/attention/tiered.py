@@ -148,13 +148,13 @@ def kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype:
 def rows_call(layer: TieredLayer, dtype: torch.dtype) -> tuple | None:
     """This layer's decode step as one row of :func:`kvtier.attention.fused_cpu.attend_rows` — ``(ks, vs, biases,
     poss, scores, score_scale)``, the arguments :func:`attend_full` or :func:`attend_fused` would pass the kernel for
-    it (``dtype``: the query's, what a quantized tier is dequantized to) — or None where the step is not one kernel call without staging (the eager or ordered path, streamed host
-    tiers: then the layer attends it itself)."""
+    it (``dtype``: the query's, what a quantized tier is dequantized to) — or None where the step is not one kernel
+    call without staging (the eager or ordered path, streamed host tiers: then the layer attends it itself)."""
     st = layer.state
     if st.rows_fused:  # full: one region, no scores (the kernel's step, even where alone it would take SDPA)
         bias, pos = st.device_view(0, layer.tail_k.shape[2])
         return [layer.dev_k], [layer.dev_v], [bias], [pos], None, 0.0
-    if not (st.retier_enabled and st.fused and st.attention == "split"):
+    if not (st.retier_enabled and st.fused):  # fused: the split path on the kernel (never set for "ordered")
         return None
     lay = st.layout
     host_tiers = [x for x in (T1, T2) if lay.tiers[x].count]

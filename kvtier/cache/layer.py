@@ -302,7 +302,7 @@ class TieredLayer(KVTierLayer):
         (:func:`kvtier.attention.tiered.rows_call`), or None (the eager or ordered path, streamed host tiers, a
         prefill): then :meth:`attend` it. Called after :meth:`update` has added the step's token."""
         st = self.state
-        if st.batch != 1 or st.n_total <= 1 or not (st.rows_fused or st.fused):
+        if st.batch != 1 or st.n_total <= 1:
             return None
         if self.layer_idx == 0:
             st.n_heads_q = n_heads_q

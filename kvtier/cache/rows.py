@@ -53,6 +53,14 @@ class RowsLayer(KVTierLayer):
     def lazy_initialization(self, key_states, value_states) -> None:  # the rows initialise themselves
         pass
 
+    def _row_spans(self) -> list[tuple[int, int]]:
+        """(start, new tokens) per row: the packed spans, or row ``i`` of a (B, ..., 1, D) decode step."""
+        return self.spans if self.spans is not None else [(i, 1) for i in range(len(self.rows))]
+
+    def _piece(self, t: torch.Tensor, i: int, s: int, n: int) -> torch.Tensor:
+        """Row ``i``'s part of a step tensor (B, H, 1, D) or packed (1, H, N, D) (its span ``s``, ``n``)."""
+        return t[:, :, s : s + n] if self.spans is not None else t[i : i + 1]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """``key_states``/``value_states`` (B, H, 1, D): one new token per row; packed: (1, H, sum(lengths), D).
         The decode tokens of rows that :meth:`attend` serves in one kernel call are written in one call too
@@ -66,14 +74,12 @@ class RowsLayer(KVTierLayer):
         elif key_states.shape[0] != len(self.rows) or key_states.shape[2] != 1:
             raise ValueError(f"a RowsCache step takes one new token for each of its {len(self.rows)} rows, got "
                              f"keys of shape {tuple(key_states.shape)}")
-        spans = self.spans if packed else [(i, 1) for i in range(len(self.rows))]
         first = self.layer_idx == 0
         idx, dks, dvs, cols = [], [], [], []
-        for i, (row, (s, n)) in enumerate(zip(self.rows, spans)):
-            cut = (lambda t: t[:, :, s : s + n]) if packed else (lambda t: t[i : i + 1])
-            slot = row.fused_slot(cut(key_states) if first else None) if n == 1 else None
+        for i, (row, (s, n)) in enumerate(zip(self.rows, self._row_spans())):
+            slot = row.fused_slot(self._piece(key_states, i, s, n) if first else None) if n == 1 else None
             if slot is None:
-                row.update(cut(key_states), cut(value_states))
+                row.update(self._piece(key_states, i, s, n), self._piece(value_states, i, s, n))
             else:
                 idx.append(s)
                 dks.append(slot[0])
@@ -98,7 +104,7 @@ class RowsLayer(KVTierLayer):
         (``full``, and tiered rows on the kernel's path; :meth:`~kvtier.cache.layer.TieredLayer.fused_region`) go
         to the kernel in one call across rows, the same floats and scores as each alone through the kernel."""
         packed = self.spans is not None
-        spans = self.spans if packed else [(i, 1) for i in range(len(self.rows))]
+        spans = self._row_spans()
         Hq, D = query.shape[1], query.shape[3]
         together, calls = [], []
         for i, (row, (_, n)) in enumerate(zip(self.rows, spans)):
@@ -122,11 +128,9 @@ class RowsLayer(KVTierLayer):
         for i, (row, (s, n)) in enumerate(zip(self.rows, spans)):
             if i in done:
                 outs.append(done[i])
-            elif packed:
-                outs.append(row.attend(query[:, :, s : s + n], key[:, :, s : s + n], value[:, :, s : s + n], None,
-                                       scaling)[0])
             else:
-                outs.append(row.attend(query[i : i + 1], key[i : i + 1], value[i : i + 1], None, scaling)[0])
+                outs.append(row.attend(self._piece(query, i, s, n), self._piece(key, i, s, n),
+                                       self._piece(value, i, s, n), None, scaling)[0])
         return torch.cat(outs, dim=1 if packed else 0), None
 
     def check_model(self, module, key: torch.Tensor) -> None:  # each row was checked at its own prefill

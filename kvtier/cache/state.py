@@ -135,8 +135,9 @@ class TierState:
         self.stream_rows = B  # until a layout chooses: nothing is attended on the host
         self.engine = TransferEngine(k.device, n_slots=self.num_layers if self.t1_on_device else 1)
         self.host = HostAttention(k.device, self.num_layers, threaded=self.host_threaded)
-        self.fused = self._want_fused(k)
-        self._kernel_ok = self.kernel != "eager" and self.attention == "split" and self._kernel_blocker(k) is None
+        blocker = self._kernel_blocker(k)
+        self.fused = self._want_fused(k, blocker)
+        self._kernel_ok = self.kernel != "eager" and self.attention == "split" and blocker is None
         self.layout = Layout.empty(B)
         if k.device.type == "cuda":
             self._cuda_base = torch.cuda.memory_allocated(k.device)
@@ -149,14 +150,14 @@ class TierState:
         and not refused (``kernel="eager"``), on a CPU where SDPA is the faster path for one cache or not."""
         return self._kernel_ok and not self.retier_enabled
 
-    def _want_fused(self, k: torch.Tensor) -> bool:
+    def _want_fused(self, k: torch.Tensor, why: str | None) -> bool:
         """The fused CPU kernel attends every region in one call where all of them are in CPU memory (a CPU
         device) and the host tiers are not on a worker thread; ``kernel="fused"`` insists, ``"eager"`` refuses.
         The full cache (one region, no scores) takes it under ``"auto"`` unless SDPA is the faster one on this CPU
-        (:func:`kvtier.attention.fused_cpu.sdpa_is_faster`); its eager path is SDPA."""
+        (:func:`kvtier.attention.fused_cpu.sdpa_is_faster`); its eager path is SDPA. ``why``: what
+        :meth:`_kernel_blocker` says for ``k``."""
         if self.kernel == "eager" or self.attention != "split":
             return False
-        why = self._kernel_blocker(k)
         if why is not None and self.kernel == "fused":
             raise ValueError(f"kernel='fused' is not possible for policy {self.policy!r}: {why}")
         if why is None and not self.retier_enabled and self.kernel == "auto":

@@ -577,6 +577,22 @@ int64_t build_regions(const std::vector<torch::Tensor>& ks, const std::vector<to
   return Ctot;
 }
 
+// Calls f(kv_tag, q_ptr, out_ptr) with the K/V element type (a value of it: float{} or bf16{}) and q's and the
+// output's pointers typed as they are: the four (K/V, query) dtype pairs the kernel is built for.
+template <typename F>
+void by_dtypes(at::ScalarType kv_type, torch::Tensor& q, torch::Tensor& out, F f) {
+  using bf16 = c10::BFloat16;
+  const bool q16 = q.scalar_type() == at::kBFloat16;
+  if (kv_type == at::kFloat && !q16)
+    f(float{}, q.data_ptr<float>(), out.data_ptr<float>());
+  else if (kv_type == at::kFloat)
+    f(float{}, q.data_ptr<bf16>(), out.data_ptr<bf16>());
+  else if (!q16)
+    f(bf16{}, q.data_ptr<float>(), out.data_ptr<float>());
+  else
+    f(bf16{}, q.data_ptr<bf16>(), out.data_ptr<bf16>());
+}
+
 }  // namespace
 
 // q (B, H, g, D) float32 or bfloat16 contiguous; ks/vs (B, H, C_r, D) float32 or bfloat16 (same for all), last dim contiguous;
@@ -603,16 +619,10 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
   if (want_scores) w_buf.resize(static_cast<size_t>(B * H * Ctot));
   float* wp = want_scores ? w_buf.data() : nullptr;
   const float sc = static_cast<float>(scaling);
-  const bool q16 = q.scalar_type() == at::kBFloat16;
-  using bf16 = c10::BFloat16;
-  if (kv_type == at::kFloat && !q16)
-    run<float, float>(q.data_ptr<float>(), out.data_ptr<float>(), wp, regs, B, H, g, D, Ctot, sc, want_scores);
-  else if (kv_type == at::kFloat)
-    run<float, bf16>(q.data_ptr<bf16>(), out.data_ptr<bf16>(), wp, regs, B, H, g, D, Ctot, sc, want_scores);
-  else if (!q16)
-    run<bf16, float>(q.data_ptr<float>(), out.data_ptr<float>(), wp, regs, B, H, g, D, Ctot, sc, want_scores);
-  else
-    run<bf16, bf16>(q.data_ptr<bf16>(), out.data_ptr<bf16>(), wp, regs, B, H, g, D, Ctot, sc, want_scores);
+  by_dtypes(kv_type, q, out, [&](auto kv_tag, auto* qp, auto* op) {
+    using QO = std::remove_pointer_t<decltype(qp)>;
+    run<decltype(kv_tag), QO>(qp, op, wp, regs, B, H, g, D, Ctot, sc, want_scores);
+  });
   if (want_scores) fold_scores(wp, regs, B, H, Ctot, score_scale);
   return out;
 }
@@ -651,7 +661,7 @@ torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<std::vector<torch::
   float* const wp = w_buf.data();  // the caller's buffer: the name w_buf in a worker would be the worker's own
   const float sc = static_cast<float>(scaling);
   std::atomic<int64_t> stage_ns{0};  // no region is staged: stays 0
-  auto go = [&](auto kv_tag, auto* qp, auto* op) {
+  by_dtypes(kv_type, q, out, [&](auto kv_tag, auto* qp, auto* op) {
     using T = decltype(kv_tag);
     using QO = std::remove_pointer_t<decltype(qp)>;
     at::parallel_for(0, R * H, 1, [&](int64_t begin, int64_t end) {
@@ -662,17 +672,7 @@ torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<std::vector<torch::
                         regs[i], H, g, D, ctot[i], sc, want, stage_ns);
       }
     });
-  };
-  const bool q16 = q.scalar_type() == at::kBFloat16;
-  using bf16 = c10::BFloat16;
-  if (kv_type == at::kFloat && !q16)
-    go(float{}, q.data_ptr<float>(), out.data_ptr<float>());
-  else if (kv_type == at::kFloat)
-    go(float{}, q.data_ptr<bf16>(), out.data_ptr<bf16>());
-  else if (!q16)
-    go(bf16{}, q.data_ptr<float>(), out.data_ptr<float>());
-  else
-    go(bf16{}, q.data_ptr<bf16>(), out.data_ptr<bf16>());
+  });
   at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {  // rows apart; inside one, fused_decode's order
     for (int64_t i = begin; i < end; ++i)
       if (!scores[i].empty()) fold_scores(wp + w_off[i], regs[i], 1, H, ctot[i], score_scales[i]);
