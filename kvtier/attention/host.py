@@ -2,14 +2,15 @@
 
 Per layer and decode step the query goes to the host (B·Hq·D values), the host attends T1 and T2 where they live
 and sends back one partial, (o, m, l) = B·Hq·(D+2) values, which the device merges with its own T0 and tail
-partials. On CUDA the host part runs on a worker thread while the device attends T0 and the tail; copies use
-pinned buffers and events, so the only host wait is the merge waiting for the host's partial.
+partials. On an asynchronous device (CUDA) the host part runs on a worker thread while the device attends T0 and
+the tail; copies use pinned buffers and events (through the engine's seam, :mod:`kvtier.transfer.seam`), so the
+only host wait is the merge waiting for the host's partial.
 
 Scores of host-resident tokens accumulate on the host. The merged weights need the merge's factor for the host
 partial, which exists only after the merge on the device: it is copied back (B·Hq floats) and folded in when the
 host next works on that layer (or at :meth:`HostAttention.flush`, before a reassignment reads the scores). The
 fold order per token is that of the device accumulator (step by step, layer by layer), so both modes give the same
-scores. On a CPU-only machine the same code runs with trivial copies (and inline unless ``threaded``).
+scores. On a CPU device the host is the device: no copies, and the job runs inline unless ``threaded``.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..tiers.quant import dequantize
+from ..transfer.seam import Seam, seam_for
 from .merge import Partial, add_weights, combine, partial
 
 
@@ -85,21 +87,26 @@ class HostAttention:
     Args:
         device: the compute device.
         num_layers: layers of the cache.
-        threaded: run host jobs on a worker thread (default: on CUDA only, where they overlap device work).
+        threaded: run host jobs on a worker thread (default: on an asynchronous device only, where they overlap
+            device work).
+        seam: how to reach the device (default: :func:`kvtier.transfer.seam.seam_for` ``device``; the cache passes
+            its engine's).
     """
 
-    def __init__(self, device: torch.device, num_layers: int, threaded: bool | None = None) -> None:
+    def __init__(self, device: torch.device, num_layers: int, threaded: bool | None = None,
+                 seam: Seam | None = None) -> None:
         self.device = torch.device(device)
-        self.is_cuda = self.device.type == "cuda"
-        self.threaded = self.is_cuda if threaded is None else bool(threaded)
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-host") if self.threaded else None
+        self.seam = seam or seam_for(self.device)
+        self.asynchronous = self.seam.asynchronous  # the query, result and factors cross to/from the host
+        self.threaded = self.asynchronous if threaded is None else bool(threaded)
+        self.pool: ThreadPoolExecutor | None = self.seam.executor("kvtier-host") if self.threaded else None
         self.num_layers = num_layers
         self.scores: torch.Tensor | None = None  # (B, cap + 1) float64 host accumulator, set by the cache
         self._pending: list[tuple | None] = [None] * num_layers
-        self._f_bufs: list[torch.Tensor | None] = [None] * num_layers  # pinned merge factors (CUDA), one per layer
-        self._q: torch.Tensor | None = None  # pinned query buffer (CUDA)
-        self._out: torch.Tensor | None = None  # pinned (B, H, g, D + 2) result buffer (CUDA)
-        self._out_free = None  # CUDA event: the last result copy out of ``_out`` finished
+        self._f_bufs: list[torch.Tensor | None] = [None] * num_layers  # pinned merge factors, one per layer
+        self._q: torch.Tensor | None = None  # pinned query buffer
+        self._out: torch.Tensor | None = None  # pinned (B, H, g, D + 2) result buffer
+        self._out_free = None  # event: the last result copy out of ``_out`` finished
         self.jobs = 0
 
     # ---- per layer and step ------------------------------------------------------------------
@@ -108,12 +115,13 @@ class HostAttention:
         """Start the host partial of ``regions`` for queries ``qg`` (B', H, g, D) on the device: the cache's rows
         ``row0 .. row0 + B'`` (the others stream their host tiers), whose scores fold into those accumulator rows."""
         ready = None
-        if self.is_cuda:
+        if self.asynchronous:
+            seam = self.seam
             if self._q is None or self._q.shape != qg.shape or self._q.dtype != qg.dtype:
-                self._q = torch.empty(qg.shape, dtype=qg.dtype, pin_memory=True)
-            self._q.copy_(qg, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+                # a new buffer, not the old one resized: a job still reading the old one keeps it
+                self._q = seam.host_empty(qg.shape, qg.dtype)
+            seam.copy_(self._q, qg)
+            ready = seam.record(seam.current_stream(self.device), "host.q_ready")
             q_host = self._q
         else:
             q_host = qg
@@ -123,15 +131,15 @@ class HostAttention:
 
     def _job(self, layer, q_host, ready, regions, scaling, keep, inv, row0):
         self._fold(layer, inv)  # the previous step's weights for this layer, in order
-        if ready is not None:
-            ready.synchronize()
+        if self.asynchronous:
+            self.seam.sync_event(ready, "host.wait_q")
         merged, parts, cs = host_tiers_partial(q_host, regions, scaling, keep, q_host.dtype)
-        if self.is_cuda:
+        if self.asynchronous:
             B, H, g, D = merged.o.shape
             if self._out is None or self._out.shape != (B, H, g, D + 2):
-                self._out = torch.empty(B, H, g, D + 2, dtype=torch.float32, pin_memory=True)
-            elif self._out_free is not None:
-                self._out_free.synchronize()  # the previous layer's result has left the buffer
+                self._out = self.seam.host_empty((B, H, g, D + 2), torch.float32)
+            else:
+                self.seam.sync_event(self._out_free, "host.wait_out_free")  # the previous result has left it
             self._out[..., :D].copy_(merged.o)
             self._out[..., D : D + 1].copy_(merged.m)
             self._out[..., D + 1 :].copy_(merged.l)
@@ -140,24 +148,23 @@ class HostAttention:
     def result(self, handle) -> tuple[Partial, tuple]:
         """Wait for the host partial; returns it on the device and the host-side weight state for :meth:`post`."""
         merged, parts, cs, pos, row0 = handle.result()
-        if self.is_cuda:
+        if self.asynchronous:
             D = merged.o.shape[-1]
-            buf = self._out.to(self.device, non_blocking=True)
-            self._out_free = torch.cuda.Event()
-            self._out_free.record(torch.cuda.current_stream(self.device))
+            buf = self.seam.to_device(self._out, self.device)
+            self._out_free = self.seam.record(self.seam.current_stream(self.device), "host.out_free")
             merged = Partial(buf[..., :D], buf[..., D : D + 1], buf[..., D + 1 :])
         return merged, (parts, cs, pos, row0)
 
     def post(self, layer: int, state: tuple, f: torch.Tensor) -> None:
         """Hand back the merge's factor ``f`` (B, H, g, 1) for the host partial; its weights are folded later."""
         event = None
-        if self.is_cuda:
+        if self.asynchronous:
+            seam = self.seam
             f_host = self._f_bufs[layer]
             if f_host is None or f_host.shape != f.shape:
-                f_host = self._f_bufs[layer] = torch.empty(f.shape, dtype=f.dtype, pin_memory=True)
-            f_host.copy_(f, non_blocking=True)  # its previous content was folded when this step's job started
-            event = torch.cuda.Event()
-            event.record(torch.cuda.current_stream(self.device))
+                f_host = self._f_bufs[layer] = seam.host_empty(f.shape, f.dtype)
+            seam.copy_(f_host, f)  # its previous content was folded when this step's job started
+            event = seam.record(seam.current_stream(self.device), "host.f_ready")
             f = f_host
         self._pending[layer] = (*state, f, event)
 
@@ -167,8 +174,8 @@ class HostAttention:
         if pend is None:
             return
         parts, cs, pos, row0, f, event = pend
-        if event is not None:
-            event.synchronize()
+        if self.asynchronous:
+            self.seam.sync_event(event, "host.wait_f")
         scores = self.scores[row0 : row0 + f.shape[0]]
         for p, c, ps in zip(parts, cs, pos):
             add_weights(scores, ps, p.e, c * f, inv)

@@ -52,8 +52,8 @@ class TieredLayer(KVTierLayer):
         B, H, _, D = key_states.shape
         dev, dt = key_states.device, key_states.dtype
         eng = self.state.engine
-        self.dev_k = torch.zeros(B, H, 0, D, dtype=dt, device=dev)
-        self.dev_v = self.dev_k.clone()
+        self.dev_k = eng.seam.device_empty((B, H, 0, D), dt, dev)
+        self.dev_v = eng.seam.device_empty((B, H, 0, D), dt, dev)
         self._views()
         self.k1 = eng.host_zeros((B, H, 0, D), dt)
         self.v1 = eng.host_zeros((B, H, 0, D), dt)
@@ -95,8 +95,11 @@ class TieredLayer(KVTierLayer):
         tail's first ``keep_tail`` columns. One buffer, so that split attention reads T0 and the tail as one
         region (one matmul pair per layer instead of two)."""
         B, H, _, D = self.dev_k.shape
-        nk = torch.zeros(B, H, cap0 + cap_t, D, dtype=self.dev_k.dtype, device=self.dev_k.device)
-        nv = torch.zeros_like(nk)
+        # device memory through the engine's seam (the simulated device keeps its own pool); zeroed: empty
+        # columns are masked, but 0 * NaN would still poison the output
+        seam = self.state.engine.seam
+        nk = seam.device_empty((B, H, cap0 + cap_t, D), self.dev_k.dtype, self.dev_k.device).zero_()
+        nv = seam.device_empty((B, H, cap0 + cap_t, D), self.dev_k.dtype, self.dev_k.device).zero_()
         c = min(self.cap0, cap0)  # a device limit can shrink T0: its tokens beyond cap0 were relocated first
         nk[:, :, :c], nv[:, :, :c] = self.k0[:, :, :c], self.v0[:, :, :c]
         if keep_tail:
@@ -227,7 +230,7 @@ class TieredLayer(KVTierLayer):
         st = self.state
         nxt = self.layer_idx + 1
         layers = getattr(st, "layers", None)
-        if not st.engine.is_cuda or st.stream_rows == 0 or layers is None or nxt >= len(layers):
+        if not st.engine.asynchronous or st.stream_rows == 0 or layers is None or nxt >= len(layers):
             return
         other = layers[nxt]
         if other.version != st.version or not other.is_initialized:

@@ -134,13 +134,12 @@ class TierState:
         self.batch, self.n_heads, self.head_dim, self.dtype, self.device = B, H, D, k.dtype, k.device
         self.stream_rows = B  # until a layout chooses: nothing is attended on the host
         self.engine = TransferEngine(k.device, n_slots=self.num_layers if self.t1_on_device else 1)
-        self.host = HostAttention(k.device, self.num_layers, threaded=self.host_threaded)
+        self.host = HostAttention(k.device, self.num_layers, threaded=self.host_threaded, seam=self.engine.seam)
         blocker = self._kernel_blocker(k)
         self.fused = self._want_fused(k, blocker)
         self._kernel_ok = self.kernel != "eager" and self.attention == "split" and blocker is None
         self.layout = Layout.empty(B)
-        if k.device.type == "cuda":
-            self._cuda_base = torch.cuda.memory_allocated(k.device)
+        self._cuda_base = self.engine.seam.memory_allocated(k.device)  # None where the device keeps no count
         self._grow(256)
 
     @property
@@ -169,6 +168,8 @@ class TierState:
         why = None
         if k.device.type != "cpu":
             why = f"the device is {k.device.type} (the fused kernel runs on CPU devices)"
+        elif self.engine.asynchronous:
+            why = "the device's copies are asynchronous (the fused kernel reads every region in place)"
         elif not fused_cpu.supports(k.dtype):
             why = f"the cache dtype is {k.dtype} (the fused kernel takes float32 and bfloat16)"
         elif self.host.threaded:
@@ -357,7 +358,7 @@ class TierState:
             return B
         if self.fixed_stream_rows is not None and not self.fused:
             return max(0, min(B, int(self.fixed_stream_rows)))
-        if self.t1_attention == "host" or self.device.type != "cuda":
+        if self.t1_attention == "host" or not self.engine.asynchronous:
             return 0
         bw = self.measure_bandwidth()
         return stream_rows_for(B, self._host_bytes_per_layer() / B, bw["h2d_gbps"], bw["host_attention_gbps"],

@@ -76,6 +76,6 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         # ... and the real buffers (capacity, all layers): T0 + tail; and with staging and work buffers
         "peak_device_kv_bytes": st.peak_device_kv_bytes,
         "peak_device_bytes": st.peak_device_bytes,
-        "cuda_max_allocated_delta_bytes": (torch.cuda.max_memory_allocated(st.device) - st._cuda_base)
+        "cuda_max_allocated_delta_bytes": (st.engine.seam.max_memory_allocated(st.device) - st._cuda_base)
         if st._cuda_base is not None else None,
     }

@@ -1,9 +1,11 @@
-"""The transfer engine: owns host<->device copies, staging buffers, streams, events and counters.
+"""The transfer engine: owns host<->device copies, staging buffers and their counters; orders them through the seam.
 
 Everything that crosses between host and device memory goes through here, so that bytes and seconds are
-counted in one place. On CUDA, T1 staging copies run on a side stream from pinned memory and can be issued
-for layer i+1 while layer i computes; events order the streams (no global synchronize in the decode loop).
-On CPU the same calls are plain copies, still counted, so the logic is testable without a GPU.
+counted in one place. On an asynchronous device (CUDA) T1 staging copies run on a side stream from pinned memory
+and can be issued for layer i+1 while layer i computes; events order the streams (no global synchronize in the
+decode loop). The engine reaches streams, events and pinned memory only through its :class:`~.seam.Seam`: on a
+CPU device the same calls are plain copies, still counted; under the tests' simulated device the asynchronous
+branch runs on a CPU with every copy deferred.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from .seam import Seam, seam_for
 
 
 @dataclass
@@ -27,7 +31,7 @@ class TransferCounters:
     migration_d2h_bytes: int = 0
     seconds: float = 0.0
     copies: int = 0
-    _pending: list = field(default_factory=list, repr=False)  # CUDA (start, end) event pairs not yet timed
+    _pending: list = field(default_factory=list, repr=False)  # (start, end) timing event pairs not yet timed
 
     @property
     def h2d_bytes(self) -> int:
@@ -44,8 +48,8 @@ class _Slot:
     def __init__(self) -> None:
         self.buffers: dict[str, torch.Tensor] = {}
         self.tag: tuple | None = None  # (layer_idx, step) whose data the slot holds
-        self.ready = None  # CUDA event: copy finished
-        self.consumed = None  # CUDA event: compute finished reading
+        self.ready = None  # event: copy finished (asynchronous seams)
+        self.consumed = None  # event: compute finished reading
 
 
 def memcpy_peak_gbps(device: torch.device, mib: int = 256, reps: int = 5) -> float:
@@ -78,11 +82,12 @@ class TransferEngine:
             the work buffer that bounds device staging to two layers' worth of KV.
     """
 
-    def __init__(self, device: torch.device, n_slots: int = 1) -> None:
+    def __init__(self, device: torch.device, n_slots: int = 1, seam: Seam | None = None) -> None:
         self.device = torch.device(device)
-        self.is_cuda = self.device.type == "cuda"
+        self.seam = seam or seam_for(self.device)
+        self.asynchronous = self.seam.asynchronous
         self.counters = TransferCounters()
-        self.stream = torch.cuda.Stream(device=self.device) if self.is_cuda else None
+        self.stream = self.seam.new_stream(self.device)  # the side stream staging copies run on
         self.slots = [_Slot() for _ in range(n_slots)]
         self.work: dict[str, torch.Tensor] = {}
         self.allocations = 0  # buffer (re)allocations, to show reuse
@@ -90,8 +95,8 @@ class TransferEngine:
 
     # ---- host memory -------------------------------------------------------------------------
     def host_empty(self, shape, dtype) -> torch.Tensor:
-        """Host tensor; pinned when a CUDA device is present so copies can be asynchronous."""
-        return torch.empty(shape, dtype=dtype, pin_memory=self.is_cuda)
+        """Host tensor that asynchronous copies may use (pinned on CUDA)."""
+        return self.seam.host_empty(shape, dtype)
 
     def host_zeros(self, shape, dtype) -> torch.Tensor:
         """Zeroed host tensor (pinned on CUDA): empty slots must hold finite values, since 0 * NaN is NaN."""
@@ -101,13 +106,11 @@ class TransferEngine:
     def _timed(self, fn, stream=None):
         c = self.counters
         c.copies += 1
-        if self.is_cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s = stream or torch.cuda.current_stream(self.device)
-            start.record(s)
+        if self.asynchronous:
+            s = stream or self.seam.current_stream(self.device)
+            start = self.seam.timing_event(s)
             out = fn()
-            end.record(s)
-            c._pending.append((start, end))
+            c._pending.append((start, self.seam.timing_event(s)))
             if len(c._pending) > 256:
                 self._harvest()
             return out
@@ -117,43 +120,38 @@ class TransferEngine:
         return out
 
     def _harvest(self) -> None:
-        """Fold in the CUDA timings that have finished, without waiting (keeps the event list short)."""
+        """Fold in the copy timings that have finished, without waiting (keeps the event list short)."""
         c = self.counters
         keep = []
         for s, e in c._pending:
-            if e.query():
-                c.seconds += s.elapsed_time(e) / 1e3
+            if self.seam.done(e):
+                c.seconds += self.seam.elapsed_s(s, e)
             else:
                 keep.append((s, e))
         c._pending = keep
 
     def resolve_timings(self) -> None:
-        """Fold finished CUDA event timings into ``counters.seconds`` (synchronizes; call off the hot path)."""
+        """Fold the copy timings into ``counters.seconds`` (synchronizes; call off the hot path)."""
         c = self.counters
         if c._pending:
-            torch.cuda.synchronize(self.device)
-            c.seconds += sum(s.elapsed_time(e) for s, e in c._pending) / 1e3
+            self.seam.synchronize(self.device)
+            c.seconds += sum(self.seam.elapsed_s(s, e) for s, e in c._pending)
             c._pending.clear()
 
     # ---- migrations (tier changes) -----------------------------------------------------------
     def to_device(self, t: torch.Tensor) -> torch.Tensor:
         """Host -> device copy of a migrating tensor, counted as migration H2D."""
         self.counters.migration_h2d_bytes += t.numel() * t.element_size()
-        return self._timed(lambda: t.to(self.device, non_blocking=self.is_cuda) if self.is_cuda else t.clone())
+        return self._timed(lambda: self.seam.to_device(t, self.device))
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """Device -> host copy of a migrating tensor (pinned on CUDA), counted as migration D2H."""
         self.counters.migration_d2h_bytes += t.numel() * t.element_size()
 
-        def copy():
-            out = self.host_empty(t.shape, t.dtype)
-            out.copy_(t, non_blocking=self.is_cuda)
-            return out
-
-        out = self._timed(copy)
-        if self.is_cuda:
+        out = self._timed(lambda: self.seam.copy_(self.host_empty(t.shape, t.dtype), t))
+        if self.asynchronous:
             # The host buffer is read by the CPU (quantization) or kept for later H2D; make sure it landed.
-            torch.cuda.current_stream(self.device).synchronize()
+            self.seam.sync_stream(self.seam.current_stream(self.device), "to_host.sync")
         return out
 
     # ---- per-step streaming of host tiers ----------------------------------------------------
@@ -162,7 +160,7 @@ class TransferEngine:
         if buf is None or buf.numel() < like.numel() or buf.dtype != like.dtype:
             # Geometric headroom: host tiers grow a little at every reassignment, buffers should not follow suit.
             old = buf.numel() if buf is not None and buf.dtype == like.dtype else 0
-            buf = torch.empty(max(like.numel(), old + old // 4, 1), dtype=like.dtype, device=self.device)
+            buf = self.seam.device_empty(max(like.numel(), old + old // 4, 1), like.dtype, self.device)
             store[name] = buf
             self.allocations += 1
         return buf[: like.numel()].view(like.shape)
@@ -173,24 +171,23 @@ class TransferEngine:
         ``tag`` names the data (layer, step) so that :meth:`take` can tell a prefetch from stale data.
         """
         slot = self.slots[slot_idx]
-        if self.is_cuda:
-            if slot.consumed is not None:
-                self.stream.wait_event(slot.consumed)
+        seam = self.seam
+        if self.asynchronous:
+            seam.wait_event(self.stream, slot.consumed, "stage.after_consumed")
             # Allocated on the compute stream, which reads them last: a buffer dropped at growth is then safe to reuse.
             before = self.allocations
             pairs = [(self._buffer(slot.buffers, name, src), src) for name, src in tensors.items()]
-            if self.allocations != before:
-                self.stream.wait_stream(torch.cuda.current_stream(self.device))  # fresh memory may still be in use
-            with torch.cuda.stream(self.stream):
+            if self.allocations != before:  # fresh memory may still be in use by the compute stream's earlier work
+                seam.wait_stream(self.stream, seam.current_stream(self.device), "stage.after_alloc")
+            with seam.on_stream(self.stream):
 
                 def copy_all():
                     for dst, src in pairs:
-                        dst.copy_(src, non_blocking=True)
+                        seam.copy_(dst, src)
 
                 self.counters.stream_h2d_bytes += sum(src.numel() * src.element_size() for _, src in pairs)
                 self._timed(copy_all, stream=self.stream)  # one event pair per layer and step
-                slot.ready = torch.cuda.Event()
-                slot.ready.record(self.stream)
+                slot.ready = seam.record(self.stream, "stage.ready")
         else:
             for name, src in tensors.items():
                 dst = self._buffer(slot.buffers, name, src)
@@ -203,8 +200,8 @@ class TransferEngine:
         slot = self.slots[slot_idx]
         if slot.tag != tag:
             self.stage(slot_idx, tag, tensors)
-        if self.is_cuda and slot.ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        if self.asynchronous:
+            self.seam.wait_event(self.seam.current_stream(self.device), slot.ready, "take.wait_ready")
         return {name: slot.buffers[name][: src.numel()].view(src.shape) for name, src in tensors.items()}
 
     def count_streamed(self, nbytes: int, seconds: float, buffer_bytes: int) -> None:
@@ -222,9 +219,8 @@ class TransferEngine:
         """Mark the slot's data as read, so the next prefetch into it may start."""
         slot = self.slots[slot_idx]
         slot.tag = None
-        if self.is_cuda:
-            slot.consumed = torch.cuda.Event()
-            slot.consumed.record(torch.cuda.current_stream(self.device))
+        if self.asynchronous:
+            slot.consumed = self.seam.record(self.seam.current_stream(self.device), "release.consumed")
 
     # ---- assembly buffers --------------------------------------------------------------------
     def work_buffers(self, shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,8 +228,8 @@ class TransferEngine:
         k = self.work.get("k")
         if k is None or tuple(k.shape) != tuple(shape) or k.dtype != dtype:
             # Zeros, not empty: unused columns are masked, but 0 * NaN would still poison the output.
-            self.work["k"] = torch.zeros(shape, dtype=dtype, device=self.device)
-            self.work["v"] = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.work["k"] = self.seam.device_empty(shape, dtype, self.device).zero_()
+            self.work["v"] = self.seam.device_empty(shape, dtype, self.device).zero_()
             self.allocations += 1
         return self.work["k"], self.work["v"]
 
@@ -243,7 +239,7 @@ class TransferEngine:
         return n + sum(b.numel() * b.element_size() for b in self.work.values()) + self.kernel_staging_bytes
 
     def reset(self) -> None:
-        self.resolve_timings() if self.is_cuda else None
+        self.resolve_timings() if self.asynchronous else None
         self.counters = TransferCounters()
         for s in self.slots:
             s.tag = None
