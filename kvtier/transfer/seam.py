@@ -27,9 +27,8 @@ SYNC_POINTS: dict[str, str] = {
     "release.consumed": "the compute stream records that it has read a slot (the next copy into it may start)",
     "to_host.sync": "the host waits for a migrating token's device-to-host copy before reading or keeping it",
     "host.q_ready": "the compute stream records that the query's copy to the host has landed",
-    "host.wait_q": "the host worker waits for the query before attending T1/T2 with it",
-    "host.out_free": "the compute stream records that the host partial has left its pinned buffer",
-    "host.wait_out_free": "the host worker waits before writing the next partial into that buffer",
+    "host.wait_q": "the host worker waits for the query before attending T1/T2 with it (and so for the previous "
+                   "result's copy out of the pinned result buffer, issued before it on the same stream)",
     "host.f_ready": "the compute stream records that the merge factor's copy to the host has landed",
     "host.wait_f": "the host worker waits for the merge factor before folding the host tiers' scores",
 }
