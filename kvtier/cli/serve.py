@@ -118,6 +118,27 @@ def serve(
     run_command(go)
 
 
+def _server_counters(target: str, api_key: str | None) -> dict[str, float]:
+    """The server's own ``kvtier_*`` samples after the run (preemptions, demotions, device K/V...), histogram
+    buckets left out; empty if /metrics cannot be read."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(target + "/metrics", timeout=30, headers=headers).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvtier_") and "_bucket" not in line.split(" ", 1)[0]:
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
 @app.command("bench-serve")
 def bench_serve_cmd(
     model: str = typer.Option(EMBEDDED, help=MODEL_HELP),
@@ -131,6 +152,9 @@ def bench_serve_cmd(
     requests_per_client: int = typer.Option(2),
     max_batch: int = typer.Option(32, help="started server: --max-batch"),
     max_queue: int = typer.Option(64, help="started server: --max-queue"),
+    device_kv_budget: Optional[str] = typer.Option(None, help="started server: --device-kv-budget (a memory-pressure "
+                                                              "point: bytes, or 512MiB / 2GiB)"),
+    on_pressure: Optional[str] = typer.Option(None, help="started server: --on-pressure (demote, recompute, queue)"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the rows here (a .txt table beside it)"),
     api_key: Optional[str] = typer.Option(None, envvar="KVTIER_API_KEY", show_envvar=False,
                                           help="sent as 'Authorization: Bearer KEY' (a --url server that wants one)"),
@@ -176,6 +200,9 @@ def bench_serve_cmd(
             cmd = [sys.executable, "-m", "kvtier", "serve", "--model", model, "--port", str(port), "--device", device,
                    "--dtype", dtype, "--max-batch", str(max_batch), "--max-queue", str(max_queue),
                    "--max-new-tokens", str(max_tokens)]
+            for flag, v in (("--device-kv-budget", device_kv_budget), ("--on-pressure", on_pressure)):
+                if v is not None:
+                    cmd += [flag, v]  # the server checks them and names what is allowed
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
             target = f"http://127.0.0.1:{port}"
             import httpx
@@ -203,6 +230,7 @@ def bench_serve_cmd(
                                on_level=lambda r: console.print(
                                    f"bench-serve: {r['concurrency']} clients, {r['policy']}: {r['tok_s']:.1f} tok/s, "
                                    f"TTFT p50 {r['ttft_p50_s']:.2f} s · {time.monotonic() - t0:.0f} s", highlight=False))
+            server_metrics = _server_counters(target, api_key)
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)
@@ -226,7 +254,9 @@ def bench_serve_cmd(
                        platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
             write_json(json_out, {"model": health.get("model", model), "device": health.get("device"), "cpu": cpu,
                                    "dtype": health.get("dtype"), "max_tokens": max_tokens, "requests_per_client": requests_per_client,
-                              "max_batch": max_batch if url is None else None, "rows": rows})
+                              "max_batch": max_batch if url is None else None,
+                              "device_kv_budget": device_kv_budget, "on_pressure": on_pressure, "rows": rows,
+                              "server_metrics": server_metrics})
             json_out.with_suffix(".txt").write_text(wide.export_text())
 
     run_command(go)

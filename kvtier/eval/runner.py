@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import torch
 
 from ..policies import validate_policy
+from ..transfer import seam_for
 from .datasets import Problem, check_benchmark, load_problems
 from .grading import extract_answer, grade
 from .prompts import build_prompt
@@ -249,8 +250,7 @@ def warm_up(model, tok, configs: list[EvalConfig]) -> float:
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kw(model, cache),
                            max_new_tokens=2, do_sample=False, temperature=None, top_p=None, top_k=None,
                            pad_token_id=tok.pad_token_id)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
+    seam_for(model.device).synchronize(model.device)
     return time.perf_counter() - t
 
 
@@ -314,13 +314,12 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
 
         seeds = [sample_seed(c.seed, p.id, s) for _, _, p, s, _ in batch]
         gen["logits_processor"] = LogitsProcessorList([RowSampler(seeds, c.temperature, c.top_p, model.device)])
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync = seam_for(model.device).synchronize  # the device's queued work inside the timed span, none outside
+    sync(model.device)
     t = time.perf_counter()
     with torch.no_grad():
         out = model.generate(**enc, **cache_kw(model, cache), **gen)
-    if model.device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(model.device)
     dt = time.perf_counter() - t
     plen = enc.input_ids.shape[1]
     eos = _as_set(tok.eos_token_id) | _as_set(getattr(model.generation_config, "eos_token_id", None))

@@ -24,7 +24,7 @@ from ..compat import cache_kw
 from ..models import load_model, resolve_device
 from ..step import packed_count, step_weight_bytes
 from ..step.cpu import cpu_isa
-from ..transfer import memcpy_peak_gbps
+from ..transfer import memcpy_peak_gbps, seam_for
 
 log = logging.getLogger(__name__)
 
@@ -99,8 +99,8 @@ class BenchConfig:
 
 
 def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    """Wait for the device's queued work before reading the clock (a no-op on a CPU device)."""
+    seam_for(device).synchronize(device)
 
 
 def _modes(cfg: BenchConfig) -> list[dict]:

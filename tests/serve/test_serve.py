@@ -432,6 +432,30 @@ def test_bench_serve_writes_one_row_per_level_and_policy(tmp_path):
     assert res.exit_code == 2 and "--concurrency" in res.output
 
 
+def test_bench_serve_runs_a_memory_pressure_point(tmp_path):
+    """--device-kv-budget and --on-pressure reach the started server; the JSON keeps them and the server's own
+    counters (the budget, the device K/V peak, demotions), and the peak never passes the budget."""
+    from typer.testing import CliRunner
+
+    from kvtier.cli import app
+
+    out = tmp_path / "bp.json"
+    res = CliRunner().invoke(app, ["bench-serve", "--model", "random:tiny-qwen2", "--dtype", "fp32", "--device", "cpu",
+                                   "--concurrency", "4", "--max-tokens", "24", "--requests-per-client", "1",
+                                   "--policy", "full", "--device-kv-budget", "40KiB", "--on-pressure", "demote",
+                                   "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    got = json.loads(out.read_text())
+    assert got["device_kv_budget"] == "40KiB" and got["on_pressure"] == "demote"
+    m = got["server_metrics"]
+    assert m["kvtier_device_kv_budget_bytes"] == 40 * 1024
+    assert 0 < m["kvtier_device_kv_peak_bytes"] <= m["kvtier_device_kv_budget_bytes"]
+    assert m["kvtier_budget_violations_total"] == 0 and m["kvtier_demoted_tokens_total"] > 0  # the budget bit
+    res = CliRunner().invoke(app, ["bench-serve", "--model", "random:tiny-qwen2", "--device", "cpu",
+                                   "--concurrency", "1", "--on-pressure", "maybe", "--json", str(out)])
+    assert res.exit_code != 0 and "--on-pressure" in res.output
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"), (["--port", "70000"], "--port"),
     (["--hbm-ratio", "1.5"], "hbm_ratio"), (["--policy", "nope"], "policy"), (["--reasoning", "maybe"], "--reasoning"),
