@@ -12,8 +12,9 @@ finishes (JSON + text; ``summary.json`` after every step), so a run cut short st
 3. ``decode_4k``      ``kvtier bench`` on random-weight Qwen2-7B shapes, bf16, batch 8, context 4096: ``full`` and
                       tiered (hbm 0.5, evict 0.03) once per T1 mode (stream, host, auto);
 4. ``decode_16k``     the same at 16384 tokens;
-5. ``serve_pressure`` ``kvtier serve`` on Qwen2.5-0.5B shapes under a device-KV budget that holds ~4 of 16 rows,
-                      memory pressure demoting decode KV to host memory (needs the serve extra; skipped without it).
+5. ``serve_pressure`` ``kvtier serve`` on Qwen2.5-0.5B shapes under a device-KV budget that holds ~4 of 16 rows:
+                      memory pressure demoting decode KV to host memory, then the field's policy (preempt and
+                      recompute) at the same budget (needs the serve extra; skipped without it).
 
 Nothing is downloaded: random-weight models, the device's own torch (2.11) and transformers (5.17), and no CLI
 packages (typer, rich) needed. What travels is the working tree (< 64 MiB).
@@ -63,7 +64,8 @@ def steps(smoke: bool = False) -> list[Step]:
               "-k", "cuda" if smoke else "cuda or simulated_device", "--junitxml", "{out}/cuda_tests.xml"]),
         _bench_point(4096, 75, smoke),
         _bench_point(16384, 100, smoke),
-        Step("serve_pressure", 80, "kvtier serve, 16 clients x 384 tokens, device-KV budget for ~4 rows, demote",
+        Step("serve_pressure", 80, "kvtier serve, 16 clients x 384 tokens, device-KV budget for ~4 rows: demote, "
+                                   "then recompute",
              [PY, __file__, "--run-serve"] + flag),
     ]
 
@@ -134,43 +136,50 @@ def run_serve(out: Path, smoke: bool = False) -> None:
     from kvtier.serve.loadgen import bench_serve
 
     # Qwen2.5-0.5B: 24 layers x 2 KV heads x 64 dims x (K, V) x 2 bytes = 12 KiB a token; 4 rows of ~450 tokens
-    budget, clients, tokens = ("40KiB", 4, 24) if smoke else ("24MiB", 16, 384)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [PY, __file__, "--run-server", str(port), "--budget", budget] + (["--smoke"] if smoke else [])
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        t_end = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {proc.stdout.read()[-2000:]}")
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > t_end:
-                raise RuntimeError("the server did not come up in 60 s")
-            time.sleep(0.5)
-        rows = bench_serve(url, [clients], [{"policy": "full"}], 1, tokens)
-        metrics = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in httpx.get(url + "/metrics").text.splitlines()
-                   if ln.startswith("kvtier_") and "_bucket" not in ln.split(" ", 1)[0]}
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-    res = {"budget": budget, "on_pressure": "demote", "rows": rows, "server_metrics": metrics}
-    (out / "serve_pressure.json").write_text(json.dumps(res, indent=1) + "\n")
-    keep = {k: v for k, v in metrics.items() if any(w in k for w in ("budget", "peak", "demot", "preempt", "violation"))}
-    text = "\n".join([json.dumps(r) for r in rows] + [json.dumps(keep)])
-    (out / "serve_pressure.txt").write_text(text + "\n")
-    print(text)
+    # smoke: tiny-qwen2's full rows take 128 KiB each (256-token granules), so 300 KiB holds 2 of the 4
+    budget, clients, tokens = ("300KiB", 4, 24) if smoke else ("24MiB", 16, 384)
+    for mode in ("demote", "recompute"):  # the first is the one that matters: written before the second starts
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cmd = [PY, __file__, "--run-server", str(port), "--budget", budget, "--on-pressure", mode]
+        proc = subprocess.Popen(cmd + (["--smoke"] if smoke else []), cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            t_end = time.monotonic() + 60
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the server exited: {proc.stdout.read()[-2000:]}")
+                try:
+                    if httpx.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > t_end:
+                    raise RuntimeError("the server did not come up in 60 s")
+                time.sleep(0.5)
+            rows = bench_serve(url, [clients], [{"policy": "full"}], 1, tokens)
+            metrics = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
+                       for ln in httpx.get(url + "/metrics").text.splitlines()
+                       if ln.startswith("kvtier_") and "_bucket" not in ln.split(" ", 1)[0]}
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+        name = "serve_pressure" if mode == "demote" else f"serve_pressure_{mode}"
+        res = {"budget": budget, "on_pressure": mode, "clients": clients, "max_tokens": tokens, "rows": rows,
+               "server_metrics": metrics}
+        (out / f"{name}.json").write_text(json.dumps(res, indent=1) + "\n")
+        keep = {k: v for k, v in metrics.items()
+                if any(w in k for w in ("budget", "peak", "demot", "preempt", "recomput", "violation"))}
+        text = "\n".join([f"on_pressure {mode}, budget {budget}"] + [json.dumps(r) for r in rows] + [json.dumps(keep)])
+        (out / f"{name}.txt").write_text(text + "\n")
+        print(text, flush=True)
 
 
-def run_server(port: int, budget: str, device: str = "cuda", dtype: str = "bf16", model: str = "random:qwen2.5-0.5b",
-               max_batch: int = 16, max_new: int = 384) -> None:
-    """``kvtier serve`` without the CLI's packages: continuous batching, the device-KV budget, demote on pressure."""
+def run_server(port: int, budget: str, on_pressure: str = "demote", device: str = "cuda", dtype: str = "bf16",
+               model: str = "random:qwen2.5-0.5b", max_batch: int = 16, max_new: int = 384) -> None:
+    """``kvtier serve`` without the CLI's packages: continuous batching under the device-KV budget."""
     sys.path.insert(0, str(ROOT))
     import kvtier
     from kvtier.config import parse_bytes
@@ -181,7 +190,7 @@ def run_server(port: int, budget: str, device: str = "cuda", dtype: str = "bf16"
     m, tok = kvtier.load_model(model, device=device, dtype=dtype, linear="eager")
     settings = ServeSettings(served_name=model, policy="full", params={}, max_new_tokens=max_new)
     settings.position_limit = getattr(m.config, "max_position_embeddings", None)
-    ecfg = EngineConfig(max_batch=max_batch, max_queue=64, scheduler="continuous", on_pressure="demote",
+    ecfg = EngineConfig(max_batch=max_batch, max_queue=64, scheduler="continuous", on_pressure=on_pressure,
                         device_kv_budget=parse_bytes("--device-kv-budget", budget))
     serve_forever(m, tok, settings, ecfg, host="127.0.0.1", port=port)
 
@@ -197,14 +206,16 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--run-serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--run-server", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--budget", default="24MiB", help=argparse.SUPPRESS)
+    ap.add_argument("--on-pressure", default="demote", help=argparse.SUPPRESS)
     ap.add_argument("--smoke", action="store_true", help="the same steps on a CPU with tiny models (a test of this "
                                                          "script; its numbers mean nothing)")
     a = ap.parse_args(argv)
     if a.run_server:
         if a.smoke:
-            run_server(a.run_server, a.budget, device="cpu", dtype="fp32", model="random:tiny-qwen2", max_new=24)
+            run_server(a.run_server, a.budget, a.on_pressure, device="cpu", dtype="fp32", model="random:tiny-qwen2",
+                       max_new=24)
         else:
-            run_server(a.run_server, a.budget)
+            run_server(a.run_server, a.budget, a.on_pressure)
         return 0
     out = a.out or Path(os.environ.get("OUT") or ROOT / "benchmarks" / "results" / f"gpu_check_{time.strftime('%Y-%m-%d')}")
     if a.run_env or a.run_bench or a.run_serve:

@@ -237,16 +237,21 @@ def bench_serve_cmd(
                 proc.wait(timeout=120)
         t = Table(title=f"kvtier bench-serve: {model}, {max_tokens} tokens max per request, {requests_per_client} "
                         f"requests per client" + (f", server --max-batch {max_batch}" if url is None else ""))
-        for col in ("clients", "policy", "requests", "429", "tokens", "tok/s", "vs 1 client", "vs full",
+        for col in ("clients", "policy", "requests", "429", "failed", "tokens", "tok/s", "vs 1 client", "vs full",
                     "TTFT p50 / p99 s", "ITL p50 / p99 ms"):
             t.add_column(col)
         f2 = lambda x: "–" if x is None else f"{x:.2f}"  # noqa: E731
         for r in rows:
-            t.add_row(str(r["concurrency"]), r["policy"], str(r["requests"]), str(r["rejected_429"]), str(r["tokens"]),
+            t.add_row(str(r["concurrency"]), r["policy"], str(r["requests"]), str(r["rejected_429"]), str(r["failed"]),
+                      str(r["tokens"]),
                       f"{r['tok_s']:.1f}", f2(r["tok_s_vs_lowest_concurrency"]), f2(r["tok_s_vs_full"]),
                       f"{r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f}", f"{r['itl_p50_ms']:.0f} / {r['itl_p99_ms']:.0f}")
         wide = Console(width=200, record=True)
         wide.print(t)
+        for r in rows:
+            if r["failed"]:
+                wide.print(f"{r['concurrency']} clients, {r['policy']}: {r['failed']} request(s) failed, the first: "
+                           f"{r['first_error']}", highlight=False)
         if json_out is not None:
             import platform
 

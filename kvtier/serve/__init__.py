@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 
 from .continuous import ContinuousEngine
-from .engine import Engine, EngineConfig, GenRequest, QueueFull, ShuttingDown
+from .engine import Engine, EngineConfig, GenRequest, NeverFits, QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -73,4 +73,5 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
             signal.signal(s, h)
 
 
-__all__ = ["ContinuousEngine", "Engine", "EngineConfig", "GenRequest", "QueueFull", "ShuttingDown", "make_engine", "serve"]
+__all__ = ["ContinuousEngine", "Engine", "EngineConfig", "GenRequest", "NeverFits", "QueueFull", "ShuttingDown", "make_engine",
+           "serve"]

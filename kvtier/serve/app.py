@@ -28,7 +28,7 @@ from fastapi.exceptions import HTTPException, RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .engine import Engine, GenRequest, QueueFull, ShuttingDown
+from .engine import Engine, GenRequest, NeverFits, QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -369,6 +369,9 @@ class Server:
                            {"Retry-After": str(self.s.retry_after_s)}) from None
         except ShuttingDown as e:
             raise APIError(503, str(e), None, "server_error") from None
+        except NeverFits as e:
+            raise APIError(400, str(e), "max_tokens" if self.engine.cfg.on_pressure == "queue" else "messages",
+                           "invalid_request_error") from None
         return q
 
 

@@ -33,7 +33,7 @@ from ..cache.state import full_columns, tail_columns
 from ..compat import cache_kw
 from ..config import TierConfig
 from ..tiers.layout import grown_capacity
-from .engine import Engine, GenRequest, _safe_sink
+from .engine import Engine, GenRequest, NeverFits, _safe_sink
 from .scheduler import Decision, RowNeed, WaitNeed, decide
 
 log = logging.getLogger(__name__)
@@ -165,6 +165,24 @@ class ContinuousEngine(Engine):
                         peak_bytes=self._peak_bytes(len(req.prompt_ids) + req.max_tokens),
                         col_bytes=self.col_bytes, reserve=reserve, can_limit=can_limit, tokens=n)
 
+    def _never_fits(self, r: GenRequest, need: WaitNeed) -> str:
+        """Why ``r`` cannot run even alone under the budget (the 400's message)."""
+        mode = self.cfg.on_pressure
+        what = "its prompt + max_tokens" if mode == "queue" else "its prompt" if mode == "recompute" or not \
+            need.can_limit else f"its device tail ({need.reserve} tokens)"
+        return (f"--device-kv-budget is {self.budget} bytes, and this request needs at least {need.least(mode)} "
+                f"bytes of device KV for {what} ({len(r.prompt_ids)} prompt tokens, --on-pressure {mode}); raise "
+                "--device-kv-budget or send a shorter request")
+
+    def submit(self, req: GenRequest) -> None:
+        """Queue ``req``, after refusing one that could not run even alone under the budget (:class:`NeverFits`:
+        a 400 before a streamed response starts, rather than an error event inside it)."""
+        if self.budget is not None:
+            need = self._wait_need(req)
+            if need.least(self.cfg.on_pressure) > self.budget:
+                raise NeverFits(self._never_fits(req, need))
+        super().submit(req)
+
     def _schedule(self) -> int:
         with self._cv:
             waiting = list(self.waiting)
@@ -189,14 +207,7 @@ class ContinuousEngine(Engine):
             with self._cv:
                 self._remove_waiting(r)
             self._resumed.pop(r.id, None)
-            need = self._wait_need(r)
-            mode = self.cfg.on_pressure
-            least = need.least(mode)
-            what = "its prompt + max_tokens" if mode == "queue" else "its prompt" if mode == "recompute" or not \
-                need.can_limit else f"its device tail ({need.reserve} tokens)"
-            _safe_sink(r, ("error", 400, f"--device-kv-budget is {self.budget} bytes, and this request needs at least "
-                           f"{least} bytes of device KV for {what} ({len(r.prompt_ids)} prompt tokens, "
-                           f"--on-pressure {mode}); raise --device-kv-budget or send a shorter request"))
+            _safe_sink(r, ("error", 400, self._never_fits(r, self._wait_need(r))))
         prefill = 0  # prompt tokens joining at the next step: whole prompts up to cfg.prefill_tokens, at least one
         started = 0
         for key, t0 in d.admit:

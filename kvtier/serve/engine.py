@@ -44,6 +44,10 @@ class ShuttingDown(Exception):
     """The engine no longer takes requests (HTTP 503)."""
 
 
+class NeverFits(Exception):
+    """The request could not run even alone under the device-KV budget (HTTP 400, before any stream starts)."""
+
+
 @dataclass
 class EngineConfig:
     """How the engine batches and bounds work; validated on construction."""

@@ -41,6 +41,8 @@ class Level:
     policy: str
     requests: int = 0
     rejected: int = 0
+    failed: int = 0  # answered with an error (a 4xx/5xx other than 429, or an error event inside the stream)
+    first_error: str | None = None
     tokens: int = 0
     seconds: float = 0.0
     ttft: list = field(default_factory=list)
@@ -48,7 +50,8 @@ class Level:
 
     def row(self) -> dict:
         return {"concurrency": self.concurrency, "policy": self.policy, "requests": self.requests,
-                "rejected_429": self.rejected, "tokens": self.tokens, "seconds": round(self.seconds, 3),
+                "rejected_429": self.rejected, "failed": self.failed, "first_error": self.first_error,
+                "tokens": self.tokens, "seconds": round(self.seconds, 3),
                 "tok_s": self.tokens / self.seconds if self.seconds else 0.0,
                 "ttft_p50_s": pct(self.ttft, 50), "ttft_p99_s": pct(self.ttft, 99),
                 "itl_p50_ms": 1e3 * pct(self.itl, 50), "itl_p99_ms": 1e3 * pct(self.itl, 99)}
@@ -65,6 +68,10 @@ def pct(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+class RequestFailed(Exception):
+    """The server answered a request with an error (counted per level, not fatal to the run)."""
+
+
 @dataclass
 class Streamed:
     """One streamed completion: its generated tokens (from the usage chunk), time to first text chunk, and the
@@ -77,7 +84,8 @@ class Streamed:
 
 async def stream_chat(client, url: str, body: dict) -> Streamed | None:
     """POST ``body`` to ``url``'s chat completions and read its server-sent events; None after a 429 (having
-    waited its ``Retry-After``); any other non-200 status raises."""
+    waited its ``Retry-After``); any other non-200 status, or an error event in the stream, raises
+    :class:`RequestFailed`."""
     t0 = time.perf_counter()
     out, last = Streamed(), None
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
@@ -85,11 +93,13 @@ async def stream_chat(client, url: str, body: dict) -> Streamed | None:
             await asyncio.sleep(float(r.headers.get("retry-after", 1)))
             return None
         if r.status_code != 200:
-            raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            raise RequestFailed(f"HTTP {r.status_code}: {(await r.aread())[:300]!r}")
         async for line in r.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise RequestFailed(f"error event: {json.dumps(chunk['error'])[:300]}")
             if chunk.get("usage"):
                 out.tokens += chunk["usage"]["completion_tokens"]
             for ch in chunk.get("choices", []):
@@ -107,7 +117,12 @@ async def stream_chat(client, url: str, body: dict) -> Streamed | None:
 async def _one(client, url: str, question: str, policy: dict, max_tokens: int, lv: Level) -> None:
     body = {"messages": [{"role": "user", "content": question}], "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "kvtier": policy}
-    s = await stream_chat(client, url, body)
+    try:
+        s = await stream_chat(client, url, body)
+    except RequestFailed as e:
+        lv.failed += 1
+        lv.first_error = lv.first_error or str(e)
+        return
     if s is None:
         lv.rejected += 1
         return

@@ -456,6 +456,28 @@ def test_bench_serve_runs_a_memory_pressure_point(tmp_path):
     assert res.exit_code != 0 and "--on-pressure" in res.output
 
 
+def test_a_request_that_never_fits_the_budget_is_one_400_streamed_or_not():
+    """Under a device-KV budget too small for any prompt, a streamed request gets HTTP 400 (not a 200 whose stream
+    then carries an error), naming --device-kv-budget; bench-serve counts such requests as failed, not served."""
+    import httpx
+
+    from kvtier.serve.loadgen import bench_serve
+
+    proc, url = _start("--device-kv-budget", "40KiB", "--on-pressure", "recompute", "--max-new-tokens", "16")
+    try:
+        body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 16}
+        for stream in (False, True):
+            r = httpx.post(url + "/v1/chat/completions", json={**body, "stream": stream}, timeout=30)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert "--device-kv-budget is 40960 bytes" in err["message"] and err["param"] == "messages"
+        row = bench_serve(url, [2], [{"policy": "full"}], 1, 16)[0]
+        assert row["failed"] == 2 and row["requests"] == 0 and "HTTP 400" in row["first_error"]
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+    finally:
+        assert _stop(proc) == 0
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--max-batch", "0"], "--max-batch"), (["--max-queue", "-1"], "--max-queue"), (["--port", "70000"], "--port"),
     (["--hbm-ratio", "1.5"], "hbm_ratio"), (["--policy", "nope"], "policy"), (["--reasoning", "maybe"], "--reasoning"),

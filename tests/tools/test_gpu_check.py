@@ -46,3 +46,7 @@ def test_smoke_run_writes_every_step_as_it_finishes(tmp_path):
     m = serve["server_metrics"]
     assert serve["rows"][0]["requests"] == 4 and m["kvtier_budget_violations_total"] == 0
     assert 0 < m["kvtier_device_kv_peak_bytes"] <= m["kvtier_device_kv_budget_bytes"]
+    assert m["kvtier_demoted_tokens_total"] > 0 and serve["rows"][0]["failed"] == 0  # the budget bites
+    rec = json.loads((out / "serve_pressure_recompute.json").read_text())
+    assert rec["on_pressure"] == "recompute" and rec["rows"][0]["requests"] == 4 and rec["rows"][0]["failed"] == 0
+    assert rec["server_metrics"]["kvtier_demoted_tokens_total"] == 0 and rec["rows"][0]["tokens"] > 0
