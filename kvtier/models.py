@@ -39,7 +39,7 @@ class ModelLoadError(RuntimeError):
 # ---- random presets --------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Preset:
-    arch: str  # "qwen2" | "llama" | "mistral" | "qwen3"
+    arch: str  # "qwen2" | "llama" | "mistral" | "qwen3" | "gpt_oss" | "gemma3"
     config: dict
 
 
@@ -51,6 +51,11 @@ PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("llama", dict(_TINY)),
     "tiny-mistral": Preset("mistral", dict(_TINY, sliding_window=None)),
     "tiny-qwen3": Preset("qwen3", dict(_TINY, head_dim=16)),
+    # hybrid models: sliding-window layers beside full ones (kvtier plans them; serving them is not yet supported)
+    "tiny-gpt-oss": Preset("gpt_oss", dict(_TINY, num_hidden_layers=4, head_dim=16, num_local_experts=4,
+                                           num_experts_per_tok=2, sliding_window=8)),
+    "tiny-gemma3": Preset("gemma3", dict(_TINY, num_hidden_layers=6, head_dim=16, sliding_window=8,
+                                         query_pre_attn_scalar=16)),
     # Real shapes, written out so that they work offline (from each model's config.json).
     "qwen2.5-0.5b": Preset("qwen2", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                                          num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
@@ -76,6 +81,30 @@ PRESETS: dict[str, Preset] = {
     "llama3-70b": Preset("llama", dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                                        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
                                        max_position_embeddings=131072, rope_theta=5e5, rms_norm_eps=1e-5)),
+    # alternating 128-token sliding and full layers, a learned sink logit per head, mixture of experts (top 4)
+    "gpt-oss-20b": Preset("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                                          num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                          num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+                                          sliding_window=128, max_position_embeddings=131072)),
+    "gpt-oss-120b": Preset("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                                           num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                           num_local_experts=128, num_experts_per_tok=4, vocab_size=201088,
+                                           sliding_window=128, max_position_embeddings=131072)),
+    # five sliding layers to one full layer
+    "gemma3-1b": Preset("gemma3", dict(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                                       num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                                       sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768)),
+    "gemma3-4b": Preset("gemma3", dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208,
+                                       sliding_window=1024, query_pre_attn_scalar=256, max_position_embeddings=131072)),
+    "gemma3-12b": Preset("gemma3", dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48,
+                                        num_attention_heads=16, num_key_value_heads=8, head_dim=256, vocab_size=262208,
+                                        sliding_window=1024, query_pre_attn_scalar=256,
+                                        max_position_embeddings=131072)),
+    "gemma3-27b": Preset("gemma3", dict(hidden_size=5376, intermediate_size=21504, num_hidden_layers=62,
+                                        num_attention_heads=32, num_key_value_heads=16, head_dim=128, vocab_size=262208,
+                                        sliding_window=1024, query_pre_attn_scalar=168,
+                                        max_position_embeddings=131072)),
 }
 
 # Hub ids whose shapes are built in (the planner answers to these offline).
@@ -88,17 +117,24 @@ HUB_SHAPES = {
     "meta-llama/Meta-Llama-3-8B": "llama3-8b",
     "meta-llama/Meta-Llama-3-70B": "llama3-70b",
     "Qwen/Qwen2.5-Coder-0.5B-Instruct": "qwen2.5-0.5b",
+    "openai/gpt-oss-20b": "gpt-oss-20b",
+    "openai/gpt-oss-120b": "gpt-oss-120b",
+    "google/gemma-3-1b-it": "gemma3-1b",
+    "google/gemma-3-4b-it": "gemma3-4b",
+    "google/gemma-3-12b-it": "gemma3-12b",
+    "google/gemma-3-27b-it": "gemma3-27b",
 }
 
 
 def preset_config(name: str):
     """transformers config of a random preset (``tiny-qwen2``, ``qwen2-7b``, ...)."""
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     if name not in PRESETS:
         raise ModelLoadError(f"unknown random preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}")
     p = PRESETS[name]
-    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config}[p.arch]
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config,
+           "gpt_oss": GptOssConfig, "gemma3": Gemma3TextConfig}[p.arch]
     cfg = dict(p.config)
     theta = cfg.pop("rope_theta", None)
     config = cls(**cfg)

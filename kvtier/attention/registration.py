@@ -17,13 +17,21 @@ from ..compat import take_over
 
 ATTN_NAME = "kvtier"
 
-# model_type -> why it is not supported
+_HYBRID = ("hybrid sliding/full layers are planned (`kvtier plan --model {hub}` already answers for its shapes, "
+           "sliding layers included)")
+_MLA = ("docs/MLA.md says how a latent cache would be tiered; the DeepSeek-R1 distills "
+        "(deepseek-ai/DeepSeek-R1-Distill-Qwen-7B, ...) are standard attention and supported")
+# model_type -> (why it is not supported, what to do instead)
 _UNSUPPORTED = {
-    "deepseek_v2": "multi-head latent attention (MLA)",
-    "deepseek_v3": "multi-head latent attention (MLA)",
-    "gemma2": "sliding-window layers and attention soft-capping",
-    "gemma3": "sliding-window layers",
-    "gpt_oss": "sliding-window layers and attention sinks",
+    "deepseek_v2": ("multi-head latent attention (MLA)", _MLA),
+    "deepseek_v3": ("multi-head latent attention (MLA)", _MLA),
+    "gemma2": ("sliding-window layers and attention soft-capping (a tanh on the logits, which the split "
+               "attention's partials cannot take exactly)", "Gemma 3 has no soft-capping: " + _HYBRID.format(
+                   hub="google/gemma-3-4b-it")),
+    "gemma3": ("sliding-window layers beside full ones", _HYBRID.format(hub="google/gemma-3-4b-it")),
+    "gemma3_text": ("sliding-window layers beside full ones", _HYBRID.format(hub="google/gemma-3-4b-it")),
+    "gpt_oss": ("sliding-window layers beside full ones, and a learned attention sink per head",
+                _HYBRID.format(hub="openai/gpt-oss-20b")),
 }
 
 
@@ -68,16 +76,21 @@ def check_supported(model) -> None:
     config = model.config
     mtype = getattr(config, "model_type", type(model).__name__)
     if mtype in _UNSUPPORTED:
-        raise NotImplementedError(f"kvtier does not support model type {mtype!r}: {_UNSUPPORTED[mtype]}")
+        why, instead = _UNSUPPORTED[mtype]
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r}: {why}. Instead: {instead}")
     if getattr(config, "kv_lora_rank", None):
-        raise NotImplementedError(f"kvtier does not support model type {mtype!r}: multi-head latent attention (MLA)")
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r}: multi-head latent attention (MLA). "
+                                  f"Instead: {_MLA}")
     layer_types = getattr(config, "layer_types", None) or []
     if any(t != "full_attention" for t in layer_types):
         raise NotImplementedError(
-            f"kvtier does not support model type {mtype!r} with layer types {sorted(set(layer_types))}: only full attention"
-        )
+            f"kvtier does not support model type {mtype!r} with layer types {sorted(set(layer_types))}: only full "
+            "attention. Instead: `kvtier plan` answers for its shapes from its config.json; serving hybrid models "
+            "is planned")
     if getattr(config, "use_sliding_window", False) or (mtype == "mistral" and getattr(config, "sliding_window", None)):
-        raise NotImplementedError(f"kvtier does not support model type {mtype!r} with sliding-window attention")
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r} with sliding-window attention on "
+                                  "every layer (it keeps only its window: nothing to tier). Instead: the same model "
+                                  "with use_sliding_window=False (or sliding_window=None), if it was trained so")
     attn = [m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "k_proj")]
     if not attn:
         raise NotImplementedError(f"kvtier does not support model type {mtype!r}: no attention modules with a layer_idx")

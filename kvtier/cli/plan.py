@@ -50,6 +50,16 @@ def plan(
         console.print(f"full KV on device: {p['full_kv_bytes_per_batch'] / g:.2f} GB; tiered device KV: {p['device_kv_bytes'] / g:.2f} GB "
                       f"(saves {p['device_bytes_saved'] / g:.2f} GB); weights {p['weights_bytes'] / g:.2f} GB; host T1+T2 "
                       f"{p['host_bytes'] / g:.2f} GB")
+        lay = p["layers"]
+        if lay["sliding"]:
+            console.print(f"{lay['sliding']} of {lay['sliding'] + lay['full']} layers slide over {lay['window']} tokens: "
+                          f"their K/V ({p['sliding_kv_bytes_per_batch'] / g:.3f} GB, "
+                          f"{100 * p['sliding_share_of_kv']:.2f}% of the KV) stay on the device; the tiers split the "
+                          f"{lay['full']} full-attention layers' K/V")
+        if p["weights_read_per_step_bytes"] != p["weights_bytes"]:
+            console.print(f"mixture of experts: a step at batch {batch} reads "
+                          f"{p['weights_read_per_step_bytes'] / g:.2f} GB of the {p['weights_bytes'] / g:.2f} GB of "
+                          "weights (the experts its rows route to, uniform routing)")
         console.print(f"{hw['name']}: HBM {hw['hbm_gbps']:g} GB/s, PCIe {hw['pcie_gbps']:g} GB/s, host attention "
                       f"{hw['host_gbps']:g} GB/s")
         m = Table(title="decode-step floor per T1 mode")

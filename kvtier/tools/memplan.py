@@ -2,6 +2,10 @@
 
 Pure arithmetic on the config (no weights): answers offline for the built-in shapes and their hub ids,
 ``random:<preset>`` names, or a path to a ``config.json`` (or a directory holding one).
+
+Hybrid models (gpt-oss, Gemma 3) keep only their window in a sliding layer: those K/V stay on the device whatever
+the ratios say, and the tiers split the full-attention layers' K/V. Mixture-of-experts weights count whole in
+memory; a decode step reads the experts its batch's tokens route to (expected distinct experts, uniform routing).
 """
 
 from __future__ import annotations
@@ -29,20 +33,45 @@ class Shape:
     vocab: int
     heads: int
     tied: bool
+    sliding_layers: int = 0  # of ``layers``: sliding-window layers, which keep only their last ``window`` tokens
+    window: int = 0
+    experts: int = 0  # mixture of experts: experts per layer (0: one dense MLP) and how many a token uses
+    experts_per_token: int = 0
+
+    @property
+    def full_layers(self) -> int:
+        """Layers that attend every token: the ones whose K/V the tiers hold."""
+        return self.layers - self.sliding_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        """K and V of one token over all layers."""
-        return self.layers * self.kv_heads * self.head_dim * 2 * dtype_bytes
+        """K and V of one token over the full-attention layers (every layer, in a model without sliding ones)."""
+        return self.full_layers * self.kv_heads * self.head_dim * 2 * dtype_bytes
+
+    def sliding_bytes_per_seq(self, seq_len: int, dtype_bytes: int = 2) -> int:
+        """K and V the sliding layers hold for one sequence: its last ``window`` tokens each, on the device."""
+        return self.sliding_layers * min(seq_len, self.window) * self.kv_heads * self.head_dim * 2 * dtype_bytes
 
     def int8_bytes_per_token(self) -> int:
-        """T2: int8 values plus one float32 scale per (token, kv-head), K and V, all layers."""
-        return int8_bytes_per_token(self.layers, self.kv_heads, self.head_dim)
+        """T2: int8 values plus one float32 scale per (token, kv-head), K and V, full-attention layers."""
+        return int8_bytes_per_token(self.full_layers, self.kv_heads, self.head_dim)
+
+    def _expert_params(self) -> int:
+        return 3 * self.hidden * self.intermediate
 
     def n_params(self) -> int:
         attn = self.hidden * self.heads * self.head_dim * 2 + self.hidden * self.kv_heads * self.head_dim * 2
-        mlp = 3 * self.hidden * self.intermediate
+        mlp = self._expert_params() * max(1, self.experts) + self.hidden * self.experts  # + the router
         emb = self.vocab * self.hidden * (1 if self.tied else 2)
         return self.layers * (attn + mlp + 2 * self.hidden) + emb + self.hidden
+
+    def params_read_per_step(self, batch: int) -> int:
+        """Weights one decode step of ``batch`` rows reads: all of a dense model; of a mixture of experts, the
+        experts its rows route to — ``E * (1 - (1 - k/E)^batch)`` per layer in expectation (uniform routing)."""
+        if not self.experts:
+            return self.n_params()
+        e, k = self.experts, self.experts_per_token
+        touched = e * (1 - (1 - k / e) ** batch)
+        return int(self.n_params() - self.layers * (e - touched) * self._expert_params())
 
 
 def shape_of(model: str) -> Shape:
@@ -58,7 +87,8 @@ def shape_of(model: str) -> Shape:
         c = preset_config(preset)
         return Shape(model, c.num_hidden_layers, c.num_key_value_heads,
                      getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, c.hidden_size,
-                     c.intermediate_size, c.vocab_size, c.num_attention_heads, bool(c.tie_word_embeddings))
+                     c.intermediate_size, c.vocab_size, c.num_attention_heads, bool(c.tie_word_embeddings),
+                     **_hybrid(c.to_dict()))
     path = Path(model).expanduser()
     if path.is_dir():
         path = path / "config.json"
@@ -78,11 +108,22 @@ def shape_of(model: str) -> Shape:
             return Shape(str(model), int(c["num_hidden_layers"]), int(c.get("num_key_value_heads", heads)),
                          int(c.get("head_dim") or c["hidden_size"] // heads), int(c["hidden_size"]),
                          int(c.get("intermediate_size", 4 * c["hidden_size"])), int(c.get("vocab_size", 0)), heads,
-                         bool(c.get("tie_word_embeddings", False)))
+                         bool(c.get("tie_word_embeddings", False)), **_hybrid(c))
         except (TypeError, ValueError, ZeroDivisionError) as e:
             raise ValueError(f"{path}: a shape field is not a positive integer ({e})") from None
     known = ", ".join(sorted(HUB_SHAPES))
     raise ModelLoadError(f"no built-in shapes for {model!r}; pass a path to its config.json (built in: {known}, random:<preset>)")
+
+
+def _hybrid(c: dict) -> dict:
+    """Sliding layers (from ``layer_types``) and experts of a config dict, as :class:`Shape` fields."""
+    types = c.get("layer_types") or []
+    sliding = sum(t == "sliding_attention" for t in types)
+    out = {"sliding_layers": sliding, "window": int(c.get("sliding_window") or 0) if sliding else 0}
+    experts = int(c.get("num_local_experts") or c.get("num_experts") or 0)
+    if experts:
+        out.update(experts=experts, experts_per_token=int(c.get("num_experts_per_tok") or c.get("experts_per_token")))
+    return out
 
 
 @dataclass(frozen=True)
@@ -168,7 +209,8 @@ def plan(model: str, batch: int, seq_len: int, hbm_ratio: float = 0.3, evict_rat
     s = shape_of(model)
     eb = DTYPE_BYTES[dtype]
     fp, q8 = s.kv_bytes_per_token(eb), s.int8_bytes_per_token()
-    weights = s.n_params() * eb
+    weights = s.params_read_per_step(batch) * eb  # what a step reads (a mixture of experts: its routed experts)
+    sliding = s.sliding_bytes_per_seq(seq_len, eb) * batch  # on the device, read every step, never tiered
     full = seq_len * fp * batch
 
     def tokens(h: float) -> tuple[int, int, int, int]:
@@ -179,7 +221,8 @@ def plan(model: str, batch: int, seq_len: int, hbm_ratio: float = 0.3, evict_rat
 
     def floors(h: float) -> dict[str, float]:
         n0, n1, n2, _ = tokens(h)
-        return step_floors(weights, n0 * fp * batch, n1 * fp * batch, n2 * q8 * batch, n2 * fp * batch, full, hw)
+        return step_floors(weights, n0 * fp * batch + sliding, n1 * fp * batch, n2 * q8 * batch, n2 * fp * batch,
+                           full + sliding, hw)
 
     n0, n1, n2, n3 = tokens(hbm_ratio)
     per_seq = {"T0": n0 * fp, "T1": n1 * fp, "T2": n2 * q8, "T3": 0}
@@ -194,7 +237,7 @@ def plan(model: str, batch: int, seq_len: int, hbm_ratio: float = 0.3, evict_rat
                             <= 1.05 * f["full"]), None)
     pcie_step = per_batch["T1"] + per_batch["T2"]
     t_pcie = pcie_step / (hw.pcie_gbps * 1e9)
-    t_hbm = (weights + per_batch["T0"] + n1 * fp * batch + n2 * fp * batch) / (hw.hbm_gbps * 1e9)
+    t_hbm = (weights + per_batch["T0"] + sliding + n1 * fp * batch + n2 * fp * batch) / (hw.hbm_gbps * 1e9)
     return {
         "model": model,
         "shape": asdict(s),
@@ -207,11 +250,15 @@ def plan(model: str, batch: int, seq_len: int, hbm_ratio: float = 0.3, evict_rat
         "int8_bytes_per_token": q8,
         "bytes_per_seq": per_seq,
         "bytes_per_batch": per_batch,
-        "full_kv_bytes_per_batch": full,
-        "device_kv_bytes": per_batch["T0"],
+        "layers": {"full": s.full_layers, "sliding": s.sliding_layers, "window": s.window},
+        "sliding_kv_bytes_per_batch": sliding,
+        "sliding_share_of_kv": sliding / (sliding + full) if sliding + full else 0.0,
+        "full_kv_bytes_per_batch": full + sliding,
+        "device_kv_bytes": per_batch["T0"] + sliding,
         "device_bytes_saved": full - per_batch["T0"],
         "host_bytes": per_batch["T1"] + per_batch["T2"],
-        "weights_bytes": weights,
+        "weights_bytes": s.n_params() * eb,
+        "weights_read_per_step_bytes": weights,
         "pcie_bytes_per_step": pcie_step,
         "hardware": asdict(hw),
         "step_floor_ms": {"pcie": 1e3 * t_pcie, "hbm": 1e3 * t_hbm, "overlapped": 1e3 * max(t_pcie, t_hbm),

@@ -182,6 +182,33 @@ def test_unsupported_models_are_named():
         kvtier.make_cache("tiered", Qwen2ForCausalLM(cfg))
 
 
+@pytest.mark.parametrize("preset, why, hub", [
+    ("tiny-gpt-oss", "attention sink", "openai/gpt-oss-20b"),
+    ("tiny-gemma3", "sliding-window layers beside full ones", "google/gemma-3-4b-it"),
+])
+def test_hybrid_presets_load_and_their_refusal_names_why_and_what_instead(preset, why, hub):
+    """The gpt-oss and Gemma 3 presets build offline (random weights); a kvtier cache for them is refused with
+    the reason and the alternative (the planner, which answers for their shapes)."""
+    from kvtier.models import random_model
+
+    model = random_model(preset)
+    assert "sliding_attention" in model.config.layer_types and "full_attention" in model.config.layer_types
+    with pytest.raises(NotImplementedError, match=why) as err:
+        kvtier.make_cache("tiered", model)
+    assert "Instead:" in str(err.value) and f"kvtier plan --model {hub}" in str(err.value)
+
+
+def test_mla_refusal_points_to_the_design_note_and_the_distills():
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                           num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=8,
+                           q_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4, n_routed_experts=2,
+                           num_experts_per_tok=1, n_group=1, topk_group=1, first_k_dense_replace=1)
+    with pytest.raises(NotImplementedError, match=r"latent attention \(MLA\)\. Instead: docs/MLA.md"):
+        kvtier.make_cache("tiered", DeepseekV3ForCausalLM(cfg))
+
+
 def test_prepared_model_still_runs_without_kvtier_cache(qwen2):
     """After make_cache the model uses kvtier's attention; with a plain DynamicCache that is just SDPA."""
     from transformers import DynamicCache

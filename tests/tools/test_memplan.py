@@ -80,3 +80,61 @@ def test_plan_reads_a_config_json(tmp_path):
     assert res.exit_code == 2 and "config.json" in res.output
     res = runner.invoke(app, ["plan", "--model", "random:qwen2-7b", "--json"])
     assert res.exit_code == 0 and json.loads(res.output)["kv_bytes_per_token"] == 57_344
+
+
+# ---- hybrid (sliding + full) layers and mixtures of experts ------------------------------------------------------
+def test_gpt_oss_120b_plans_its_full_layers_and_keeps_the_windows_on_the_device():
+    """Acceptance (hybrid models): 18 of 36 layers slide over 128 tokens. Their K/V stay on the device; the tiers
+    split the 18 full layers' K/V (hand-computed: 18 x 8 kv-heads x 64 x (K, V) x 2 bytes = 36,864 B a token)."""
+    p = plan("openai/gpt-oss-120b", batch=8, seq_len=32768, hbm_ratio=0.3, evict_ratio=0.03)
+    assert p["layers"] == {"full": 18, "sliding": 18, "window": 128}
+    assert p["kv_bytes_per_token"] == 18 * 8 * 64 * 2 * 2
+    sliding = 18 * 128 * 8 * 64 * 2 * 2 * 8
+    full = 32768 * p["kv_bytes_per_token"] * 8
+    assert p["sliding_kv_bytes_per_batch"] == sliding
+    assert p["sliding_share_of_kv"] == pytest.approx(sliding / (sliding + full))  # 0.39%
+    assert p["device_kv_bytes"] == p["bytes_per_batch"]["T0"] + sliding
+    assert p["full_kv_bytes_per_batch"] == full + sliding
+    assert sum(p["tokens_per_seq"].values()) == 32768
+
+
+def test_mixture_of_experts_counts_every_expert_in_memory_and_the_routed_ones_per_step():
+    """gpt-oss-20b: 32 experts, 4 a token. Memory holds them all (~20.9B parameters); a step at batch 1 reads the
+    dense part and 4 experts a layer, at batch 8 the expected distinct ones, 32 x (1 - (1 - 4/32)^8)."""
+    from kvtier.tools.memplan import shape_of
+
+    s = shape_of("openai/gpt-oss-20b")
+    expert = 3 * 2880 * 2880
+    assert s.experts == 32 and s.experts_per_token == 4
+    assert 20.5e9 < s.n_params() < 21.5e9
+    dense = s.n_params() - 24 * 32 * expert
+    assert s.params_read_per_step(1) == pytest.approx(dense + 24 * 4 * expert, rel=1e-9)
+    assert s.params_read_per_step(8) == pytest.approx(dense + 24 * 32 * (1 - (1 - 4 / 32) ** 8) * expert, rel=1e-9)
+    p = plan("openai/gpt-oss-20b", batch=1, seq_len=4096)
+    assert p["weights_read_per_step_bytes"] < p["weights_bytes"] / 4
+
+
+def test_gemma3_slides_five_layers_in_six_and_a_short_sequence_fills_no_window():
+    p = plan("google/gemma-3-4b-it", batch=2, seq_len=512)
+    assert p["layers"] == {"full": 5, "sliding": 29, "window": 1024}
+    assert p["sliding_kv_bytes_per_batch"] == 29 * 512 * 4 * 256 * 2 * 2 * 2  # min(512, 1024) tokens a layer
+
+
+def test_dense_models_plan_as_before():
+    p = plan("random:qwen2-7b", batch=8, seq_len=4096)
+    assert p["layers"] == {"full": 28, "sliding": 0, "window": 0}
+    assert p["sliding_kv_bytes_per_batch"] == 0 and p["weights_read_per_step_bytes"] == p["weights_bytes"]
+    assert p["device_kv_bytes"] == p["bytes_per_batch"]["T0"]
+
+
+def test_a_hybrid_config_json_is_read(tmp_path):
+    cfg = {"num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512,
+           "head_dim": 64, "intermediate_size": 1024, "vocab_size": 1000, "sliding_window": 16,
+           "layer_types": ["sliding_attention", "full_attention"] * 2, "num_local_experts": 8,
+           "num_experts_per_tok": 2}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    p = plan(str(tmp_path), batch=1, seq_len=100)
+    assert p["layers"] == {"full": 2, "sliding": 2, "window": 16}
+    assert p["kv_bytes_per_token"] == 2 * 2 * 64 * 2 * 2 and p["sliding_kv_bytes_per_batch"] == 2 * 16 * 2 * 64 * 2 * 2
+    res = CliRunner().invoke(app, ["plan", "--model", str(tmp_path), "--batch", "1", "--seq-len", "100"])
+    assert res.exit_code == 0 and "2 of 4 layers slide over 16 tokens" in res.output and "mixture of experts" in res.output
