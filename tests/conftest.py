@@ -50,6 +50,21 @@ needs_embedded = pytest.mark.skipif(not _embedded_installed(),
                                     reason="embedded model parts not installed (make test installs them)")
 
 
+def _offline_installed(name: str) -> bool:
+    from kvtier.models import ModelLoadError, embedded_parts
+
+    try:
+        embedded_parts(name)
+        return True
+    except ModelLoadError:
+        return False
+
+
+# the second model scale (1.1 GB, installed on demand by `make model-1.5b`; not by make venv or CI)
+needs_1p5b = pytest.mark.skipif(not _offline_installed("qwen2.5-coder-1.5b-instruct"),
+                                reason="qwen2.5-coder-1.5b-instruct parts not installed (make model-1.5b)")
+
+
 @pytest.fixture(scope="session")
 def qwen2():
     return random_model("tiny-qwen2", dtype=torch.float32)

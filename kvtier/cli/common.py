@@ -43,7 +43,8 @@ app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True,
 console = Console()
 err = Console(stderr=True)
 
-MODEL_HELP = "hub id, local dir, .gguf file, 'qwen2.5-coder-0.5b-instruct' (embedded, offline) or random:<preset>"
+MODEL_HELP = ("hub id, local dir, .gguf file, 'qwen2.5-coder-0.5b-instruct' (embedded, offline), "
+              "'qwen2.5-coder-1.5b-instruct' (offline after make model-1.5b) or random:<preset>")
 EMBEDDED = "qwen2.5-coder-0.5b-instruct"
 
 
