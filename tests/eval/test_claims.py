@@ -76,4 +76,13 @@ def test_paired_uses_shared_problems_only_and_chain_lengths():
     p = paired(a, b)
     assert p["n"] == 4 and p["a"]["k"] == 3 and p["b"]["k"] == 1 and p["retention"] == pytest.approx(1 / 3)
     (c,) = chain_lengths(a + b)
-    assert (c["n"], c["median"], c["max"], c["at_cap"]) == (10, 105, 109, 0)
+    # 100..109: an even count, so the median is the mean of the middle two (104, 105); p10 and p90 interpolate
+    assert (c["n"], c["median"], c["p10"], c["p90"], c["max"], c["at_cap"]) == (10, 104.5, 100.9, 108.1, 109, 0)
+
+
+def test_interval_bounds_below_ten_percent_keep_a_decimal():
+    """The first campaign printed decode-SnapKV's Wilson interval (0.51%, 4.3%) as "(0–4)"."""
+    from kvtier.eval.claims import _acc_text
+
+    assert _acc_text({"accuracy": 0.015, "ci": (0.0051, 0.0431), "n": 200}) == "1.5% (0.5–4.3, n=200)"
+    assert _acc_text({"accuracy": 0.28, "ci": (0.222, 0.346), "n": 200}) == "28.0% (22–35, n=200)"
