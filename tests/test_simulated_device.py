@@ -115,6 +115,49 @@ def test_ordered_reference_equals_the_cpu_run(qwen2):
     assert {"take.wait_ready", "release.consumed"} <= sim.used
 
 
+@pytest.mark.parametrize("t1", ["stream", "host"])
+def test_serving_rows_with_demotion_equal_the_cpu_run(qwen2, t1):
+    """``kvtier serve``'s step on the simulated device: three one-row caches (two ``full``, one tiered) stepped
+    together through a ``RowsCache``, memory pressure demoting two of them mid-run (a ``full`` row turned tiered:
+    its coldest tokens copied device-to-host) and lifting the limit later — every step's logits as on the CPU."""
+    from kvtier.cache.rows import RowsCache
+    from kvtier.compat import cache_kw
+
+    prompts = [prompt_ids(length=n, seed=20 + n) for n in (12, 20, 7)]
+    policies = [("full", {}), ("tiered", dict(hbm_ratio=0.3, evict_ratio=0.0, retier_interval=8, recent_window=4)),
+                ("full", {})]
+
+    def run(seam=None):
+        caches = [kvtier.make_cache(p, qwen2, kernel="eager", **params) for p, params in policies]
+        for c in caches:
+            c.state.t1_attention = t1  # what a demoted full row does with its T1 (it has no such parameter)
+        seen, last = [], []
+        with torch.no_grad():
+            for c, ids in zip(caches, prompts):
+                out = qwen2(input_ids=ids, **cache_kw(qwen2, c), use_cache=True)
+                last.append(int(out.logits[0, -1].argmax()))
+            for step in range(40):
+                if step == 10:
+                    caches[0].limit_device(4)
+                    caches[1].limit_device(2)
+                if step == 25:
+                    caches[0].limit_device(None)
+                rc = RowsCache(caches, lengths=[1] * len(caches))
+                out = qwen2(input_ids=torch.tensor([last]), position_ids=rc.positions(), **cache_kw(qwen2, rc),
+                            use_cache=True, logits_to_keep=rc.last_positions())
+                seen.append(out.logits[0].clone())
+                last = out.logits[0].argmax(-1).tolist()
+        return torch.stack(seen), caches
+
+    ref, _ = run()
+    sim = SimSeam(seed=9)
+    with use_seam(sim), sim.watch():
+        got, caches = run(sim)
+    assert torch.equal(got, ref), (got - ref).abs().max()
+    assert caches[0].state.retier_enabled and caches[0].stats()["transfer"]["migration_d2h_bytes"] > 0
+    assert "to_host.sync" in sim.used and not sim.hazards
+
+
 # ---- device memory: its own pool, and each tier on its side ------------------------------------------------------
 def test_device_pool_is_what_the_cache_accounts(qwen2):
     """After every step the simulated device's live bytes are exactly the cache's device buffers (T0 + tail of
