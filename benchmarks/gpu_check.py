@@ -133,7 +133,7 @@ def run_serve(out: Path, smoke: bool = False) -> None:
     import socket
 
     sys.path.insert(0, str(ROOT))
-    from kvtier.serve.loadgen import bench_serve
+    from kvtier.serve.loadgen import bench_serve, wait_until_up
 
     # Qwen2.5-0.5B: 24 layers x 2 KV heads x 64 dims x (K, V) x 2 bytes = 12 KiB a token; 4 rows of ~450 tokens
     # smoke: tiny-qwen2's full rows take 128 KiB each (256-token granules), so 300 KiB holds 2 of the 4
@@ -147,18 +147,7 @@ def run_serve(out: Path, smoke: bool = False) -> None:
                                 stderr=subprocess.STDOUT, text=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            t_end = time.monotonic() + 60
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"the server exited: {proc.stdout.read()[-2000:]}")
-                try:
-                    if httpx.get(url + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > t_end:
-                    raise RuntimeError("the server did not come up in 60 s")
-                time.sleep(0.5)
+            wait_until_up(url, proc, 60)
             rows = bench_serve(url, [clients], [{"policy": "full"}], 1, tokens)
             metrics = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
                        for ln in httpx.get(url + "/metrics").text.splitlines()

@@ -114,13 +114,18 @@ class SimSeam(Seam):
         return getattr(self.tls, "stream", None) or self.compute
 
     @contextlib.contextmanager
-    def _quiet(self):
-        old = getattr(self.tls, "quiet", False)
-        self.tls.quiet = True
+    def _tls(self, name: str, value):
+        """This thread's ``name`` set to ``value`` inside (the seam's own copies, the current stream)."""
+        old = getattr(self.tls, name, None)
+        setattr(self.tls, name, value)
         try:
             yield
         finally:
-            self.tls.quiet = old
+            setattr(self.tls, name, old)
+
+    def _quiet(self):
+        """Inside: this thread's ops are the seam's own (not checked)."""
+        return self._tls("quiet", True)
 
     def _hazard(self, msg: str) -> None:
         self.hazards.append(msg)
@@ -210,14 +215,8 @@ class SimSeam(Seam):
     def current_stream(self, device):
         return self._current()
 
-    @contextlib.contextmanager
     def on_stream(self, stream):
-        old = getattr(self.tls, "stream", None)
-        self.tls.stream = stream
-        try:
-            yield
-        finally:
-            self.tls.stream = old
+        return self._tls("stream", stream)
 
     def _called(self, point: str) -> bool:
         """Note ``point`` as used; whether its call takes effect (not skipped)."""

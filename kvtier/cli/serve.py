@@ -205,21 +205,9 @@ def bench_serve_cmd(
                     cmd += [flag, v]  # the server checks them and names what is allowed
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
             target = f"http://127.0.0.1:{port}"
-            import httpx
+            from ..serve.loadgen import wait_until_up
 
-            t_end = time.monotonic() + 900
-            while True:
-                if proc.poll() is not None:
-                    raise ValueError(f"the server exited: {proc.stdout.read()[-500:]}")
-                try:
-                    if httpx.get(target + "/health", timeout=1).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > t_end:
-                    proc.kill()
-                    raise ValueError("the server did not come up in 900 s")
-                time.sleep(0.5)
+            wait_until_up(target, proc, 900)
         target = target.rstrip("/").removesuffix("/v1")
         import httpx
 

@@ -68,6 +68,27 @@ def pct(xs: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def wait_until_up(url: str, proc, timeout_s: float) -> None:
+    """Wait for a server started as ``proc`` (a ``subprocess.Popen`` with its output piped) to answer ``/health``;
+    ``ValueError`` with the end of its output if it exits first, or if it is not up in ``timeout_s`` (then it is
+    killed)."""
+    import httpx
+
+    t_end = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ValueError(f"the server exited: {proc.stdout.read()[-2000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > t_end:
+            proc.kill()
+            raise ValueError(f"the server did not come up in {timeout_s:g} s")
+        time.sleep(0.5)
+
+
 class RequestFailed(Exception):
     """The server answered a request with an error (counted per level, not fatal to the run)."""
 
