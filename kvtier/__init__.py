@@ -24,7 +24,8 @@ def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
         **params: the policy's parameters, e.g. ``hbm_ratio=0.3, evict_ratio=0.03``.
     Raises:
         ValueError: unknown policy or parameter, or a parameter out of range.
-        NotImplementedError: the model's attention is not supported (sliding window, MLA).
+        NotImplementedError: the model's attention is not supported (attention sinks, soft-capping, MLA, every
+            layer sliding); a hybrid model's sliding layers keep their window and the policy takes the full ones.
     """
     from .tiers.tiermap import attach_recorder, check_record_tiers
 
@@ -34,8 +35,14 @@ def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
     prepare_model(model)
     from .attention.registration import num_cache_layers
     from .cache.base import model_shape
+    from .cache.sliding import interleave, layer_plan
 
-    cache = cls.build(num_cache_layers(model), **params)
+    hybrid = layer_plan(model.config)
+    if hybrid is None:
+        cache = cls.build(num_cache_layers(model), **params)
+    else:  # the policy over the full-attention layers; each sliding layer keeps its window (kvtier.cache.sliding)
+        types, window = hybrid
+        cache = interleave(cls.build(sum(t != "sliding_attention" for t in types), **params), types, window)
     cache.model_shape = model_shape(model.config)  # (layers, kv-heads, head_dim): checked at the first prefill
     attach_recorder(cache, record_tiers)
     return cache

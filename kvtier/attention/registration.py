@@ -17,21 +17,17 @@ from ..compat import take_over
 
 ATTN_NAME = "kvtier"
 
-_HYBRID = ("hybrid sliding/full layers are planned (`kvtier plan --model {hub}` already answers for its shapes, "
-           "sliding layers included)")
 _MLA = ("docs/MLA.md says how a latent cache would be tiered; the DeepSeek-R1 distills "
         "(deepseek-ai/DeepSeek-R1-Distill-Qwen-7B, ...) are standard attention and supported")
 # model_type -> (why it is not supported, what to do instead)
 _UNSUPPORTED = {
     "deepseek_v2": ("multi-head latent attention (MLA)", _MLA),
     "deepseek_v3": ("multi-head latent attention (MLA)", _MLA),
-    "gemma2": ("sliding-window layers and attention soft-capping (a tanh on the logits, which the split "
-               "attention's partials cannot take exactly)", "Gemma 3 has no soft-capping: " + _HYBRID.format(
-                   hub="google/gemma-3-4b-it")),
-    "gemma3": ("sliding-window layers beside full ones", _HYBRID.format(hub="google/gemma-3-4b-it")),
-    "gemma3_text": ("sliding-window layers beside full ones", _HYBRID.format(hub="google/gemma-3-4b-it")),
-    "gpt_oss": ("sliding-window layers beside full ones, and a learned attention sink per head",
-                _HYBRID.format(hub="openai/gpt-oss-20b")),
+    "gemma2": ("attention soft-capping (a tanh on the logits, which kvtier's attention paths do not apply)",
+               "Gemma 3 has no soft-capping and is supported"),
+    "gpt_oss": ("a learned attention sink per head (a logit with no value in every softmax), not yet in kvtier's "
+                "attention paths", "`kvtier plan --model openai/gpt-oss-20b` answers for its shapes (sliding "
+                "layers included); Gemma 3, hybrid without sinks, is supported"),
 }
 
 
@@ -57,8 +53,11 @@ def kvtier_attention(
     layer = layer if layer is not None else handed
     if layer is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    if layer.is_sliding:  # a hybrid model's sliding layer: its window, attended as transformers' SDPA does
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if kwargs.get("sliding_window") is not None:
-        raise NotImplementedError("kvtier does not support sliding-window attention layers")
+        raise NotImplementedError("kvtier got a sliding-window attention call for a full-attention cache layer")
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if layer.layer_idx == 0 and query.shape[2] > 1:
@@ -81,13 +80,20 @@ def check_supported(model) -> None:
     if getattr(config, "kv_lora_rank", None):
         raise NotImplementedError(f"kvtier does not support model type {mtype!r}: multi-head latent attention (MLA). "
                                   f"Instead: {_MLA}")
-    layer_types = getattr(config, "layer_types", None) or []
-    if any(t != "full_attention" for t in layer_types):
-        raise NotImplementedError(
-            f"kvtier does not support model type {mtype!r} with layer types {sorted(set(layer_types))}: only full "
-            "attention. Instead: `kvtier plan` answers for its shapes from its config.json; serving hybrid models "
-            "is planned")
-    if getattr(config, "use_sliding_window", False) or (mtype == "mistral" and getattr(config, "sliding_window", None)):
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None) or []
+    unknown = sorted(set(layer_types) - {"full_attention", "sliding_attention"})
+    if unknown:
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r} with layer types {unknown}: it "
+                                  "takes full_attention and sliding_attention layers. Instead: `kvtier plan` "
+                                  "answers for its shapes from its config.json")
+    if layer_types and "full_attention" not in layer_types:
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r} with sliding-window attention on "
+                                  "every layer (each keeps only its window: nothing to tier)")
+    if layer_types and "sliding_attention" in layer_types and getattr(text, "attn_logit_softcapping", None):
+        raise NotImplementedError(f"kvtier does not support model type {mtype!r}: attention soft-capping")
+    if not layer_types and (getattr(config, "use_sliding_window", False)
+                            or (mtype == "mistral" and getattr(config, "sliding_window", None))):
         raise NotImplementedError(f"kvtier does not support model type {mtype!r} with sliding-window attention on "
                                   "every layer (it keeps only its window: nothing to tier). Instead: the same model "
                                   "with use_sliding_window=False (or sliding_window=None), if it was trained so")

@@ -57,6 +57,10 @@ class ShapeGuardedCache(Cache):
         for layer in self.layers:
             layer.made_for = tuple(shape)
 
+    def sliding_layers(self) -> list:
+        """The sliding-window layers of a hybrid model (:mod:`kvtier.cache.sliding`); empty otherwise."""
+        return [layer for layer in self.layers if layer.is_sliding]
+
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if not 0 <= layer_idx < len(self.layers):
             raise ValueError(
@@ -89,8 +93,9 @@ class KVTierLayer(CacheLayerMixin):
         if config is None:
             return
         used = model_shape(config)
-        made = getattr(self, "made_for", None) or (self.state.num_layers, key.shape[1], key.shape[3])
-        if used != made or used[0] != self.state.num_layers:
+        layers = getattr(self.state, "model_layers", None) or self.state.num_layers  # hybrid: sliding ones too
+        made = getattr(self, "made_for", None) or (layers, key.shape[1], key.shape[3])
+        if used != made or used[0] != layers:
             fmt = lambda s: f"{s[0]} layers x {s[1]} kv-heads x head_dim {s[2]}"  # noqa: E731
             raise ValueError(
                 f"this kvtier cache was made for a model with {fmt(made)}, used with a model of {fmt(used)}; "

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from ..attention.merge import ordered
 from ..config import EvictionBudget  # noqa: F401 (its documented home was here)
 from .base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
+from .stats import sliding_stats
 
 
 class Scorer:
@@ -380,7 +381,7 @@ class HeadwiseCache(ShapeGuardedCache):
                     "bytes": {"T0": 0, "T1": 0, "T2": 0}, "transfer": zero_t, "retiers": 0,
                     "logical_tokens": 0, "decode_steps": 0}
         logical = int(st.n_real.sum())
-        kept = int(self.layers[0].counts.sum())
+        kept = int(self.state.layers[0].counts.sum())
         elem = torch.empty(0, dtype=st.dtype).element_size()
         bpt = st.num_layers * st.n_heads * st.head_dim * 2 * elem
         tokens = {"T0": kept, "T1": 0, "T2": 0, "T3": logical - kept}
@@ -398,6 +399,7 @@ class HeadwiseCache(ShapeGuardedCache):
             "decode_steps": st.decode_steps,
             "peak_device_tokens": st.peak_tokens,
             "peak_device_kv_bytes": st.peak_alloc,  # the real buffers (capacity doubles as it grows)
+            "sliding": sliding_stats(self.sliding_layers()),
             # what the policy's budget allowed vs what was kept: the forced set (protected prompt + the
             # policy's own sinks/window/newest) can exceed the budget, and then all of it is kept
             "budget": {
@@ -430,7 +432,7 @@ class HeadwiseCache(ShapeGuardedCache):
         st = self.state
         if st.batch is None:
             return {"T0": 0, "T1": 0, "T2": 0, "T3": 0}
-        kept = int(self.layers[0].counts[row])
+        kept = int(self.state.layers[0].counts[row])
         return {"T0": kept, "T1": 0, "T2": 0, "T3": int(st.n_real[row]) - kept}
 
     # ---- device memory under a budget (continuous batching) -----------------------------------------------
@@ -438,12 +440,12 @@ class HeadwiseCache(ShapeGuardedCache):
 
     def device_kv_bytes(self) -> int:
         """Device bytes of this cache's K/V buffers now (all layers)."""
-        return sum(x.numel() * x.element_size() for layer in self.layers if layer.is_initialized
-                   for x in (layer.k, layer.v))
+        return sum(x.numel() * x.element_size() for layer in self.state.layers if layer.is_initialized
+                   for x in (layer.k, layer.v)) + sum(s.device_bytes() for s in self.sliding_layers())
 
     def device_kv_next(self) -> int:
         """An upper bound on :meth:`device_kv_bytes` after one more decode step (buffers double as they fill)."""
-        layer = self.layers[0]
+        layer = self.state.layers[0]
         if not layer.is_initialized:
             return 0
         cap = layer.k.shape[2]

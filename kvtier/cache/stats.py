@@ -11,8 +11,17 @@ from ..tiers.quant import int8_bytes_per_token
 from .state import TierState
 
 
-def cache_stats(st: TierState, layers) -> dict[str, Any]:
-    """Token counts, bytes and transfer counters, summed over the batch (padding excluded)."""
+def sliding_stats(sliding: list) -> dict[str, Any] | None:
+    """A hybrid model's sliding layers: how many, their window, the device bytes their windows hold now (not in the
+    tiers' counts and bytes, which are the full-attention layers'); None without any."""
+    if not sliding:
+        return None
+    return {"layers": len(sliding), "window": sliding[0].window, "device_bytes": sum(s.device_bytes() for s in sliding)}
+
+
+def cache_stats(st: TierState, layers, sliding: list | None = None) -> dict[str, Any]:
+    """Token counts, bytes and transfer counters, summed over the batch (padding excluded); ``layers``: the policy's
+    (full-attention) layers, ``sliding``: a hybrid model's sliding-window layers."""
     empty = {
         "tokens": {"T0": 0, "T1": 0, "T2": 0, "T3": 0},
         "bytes": {"T0": 0, "T1": 0, "T2": 0},
@@ -20,7 +29,7 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         "retiers": 0,
     }
     if st.batch is None:
-        return {**empty, "policy": st.policy, "decode_steps": 0, "logical_tokens": 0}
+        return {**empty, "policy": st.policy, "decode_steps": 0, "logical_tokens": 0, "sliding": sliding_stats(sliding)}
     lay = st.layout
     n = st.n_total
     valid = st.valid[:, :n]
@@ -78,4 +87,5 @@ def cache_stats(st: TierState, layers) -> dict[str, Any]:
         "peak_device_bytes": st.peak_device_bytes,
         "cuda_max_allocated_delta_bytes": (st.engine.seam.max_memory_allocated(st.device) - st._cuda_base)
         if st._cuda_base is not None else None,
+        "sliding": sliding_stats(sliding),
     }

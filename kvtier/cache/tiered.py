@@ -39,7 +39,7 @@ class KVTierCache(ShapeGuardedCache):
         self.state.reset()
 
     def stats(self) -> dict[str, Any]:
-        return cache_stats(self.state, self.layers)
+        return cache_stats(self.state, self.state.layers, sliding=self.sliding_layers())
 
     def scores(self) -> torch.Tensor:
         """(B, N) float64 on the host: the cumulative score of every logical position (0 for padding)."""
@@ -127,7 +127,8 @@ class KVTierCache(ShapeGuardedCache):
         st = self.state
         if st.batch is None:
             return 0
-        return sum(layer._device_bytes() for layer in self.layers if layer.is_initialized) + st.engine.staging_bytes()
+        return (sum(layer._device_bytes() for layer in st.layers if layer.is_initialized) + st.engine.staging_bytes()
+                + sum(s.device_bytes() for s in self.sliding_layers()))
 
     def device_kv_next(self) -> int:
         """An upper bound on :meth:`device_kv_bytes` after one more decode step (its token appended, a
@@ -135,7 +136,7 @@ class KVTierCache(ShapeGuardedCache):
         st = self.state
         if st.batch is None:
             return 0
-        layer = self.layers[0]
+        layer = st.layers[0]
         cap0, cap_t = layer.cap0, layer.tail_k.shape[2]
         g = tail_granule(st.cfg.retier_interval)
         if st.retier_enabled and (st.since_retier >= st.cfg.retier_interval or st.retier_now):

@@ -257,6 +257,14 @@ class Engine:
     """Owns the model: a wait list bounded by ``max_queue``, batches of up to ``max_batch``, one worker thread."""
 
     def __init__(self, model, tokenizer, cfg: EngineConfig | None = None):
+        from ..cache.sliding import layer_plan
+
+        if layer_plan(model.config) is not None:
+            # the device-KV budget counts the tiers' bytes, not a hybrid model's sliding windows: refuse rather than
+            # overrun it
+            raise ValueError("kvtier serve does not serve hybrid sliding/full models (Gemma 3) yet: its device-KV "
+                             "budget does not count the sliding layers' windows. Use kvtier.make_cache with generate, "
+                             "or kvtier eval, for this model")
         self.model, self.tokenizer = model, tokenizer
         self.cfg = cfg or EngineConfig()
         self.metrics = Metrics()
