@@ -133,7 +133,7 @@ def run_serve(out: Path, smoke: bool = False) -> None:
     import socket
 
     sys.path.insert(0, str(ROOT))
-    from kvtier.serve.loadgen import bench_serve, wait_until_up
+    from kvtier.serve.loadgen import bench_serve, server_counters, wait_until_up
 
     # Qwen2.5-0.5B: 24 layers x 2 KV heads x 64 dims x (K, V) x 2 bytes = 12 KiB a token; 4 rows of ~450 tokens
     # smoke: tiny-qwen2's full rows take 128 KiB each (256-token granules), so 300 KiB holds 2 of the 4
@@ -149,9 +149,7 @@ def run_serve(out: Path, smoke: bool = False) -> None:
         try:
             wait_until_up(url, proc, 60)
             rows = bench_serve(url, [clients], [{"policy": "full"}], 1, tokens)
-            metrics = {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1])
-                       for ln in httpx.get(url + "/metrics").text.splitlines()
-                       if ln.startswith("kvtier_") and "_bucket" not in ln.split(" ", 1)[0]}
+            metrics = server_counters(url)
         finally:
             proc.terminate()
             proc.wait(timeout=60)

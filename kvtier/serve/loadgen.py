@@ -89,6 +89,27 @@ def wait_until_up(url: str, proc, timeout_s: float) -> None:
         time.sleep(0.5)
 
 
+def server_counters(url: str, api_key: str | None = None) -> dict[str, float]:
+    """A kvtier server's own ``kvtier_*`` samples from ``/metrics`` (preemptions, demotions, device K/V...),
+    histogram buckets left out; empty if ``/metrics`` cannot be read."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(url + "/metrics", timeout=30, headers=headers).text
+    except httpx.HTTPError:
+        return {}
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvtier_") and "_bucket" not in line.split(" ", 1)[0]:
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
 class RequestFailed(Exception):
     """The server answered a request with an error (counted per level, not fatal to the run)."""
 

@@ -56,18 +56,16 @@ def memcpy_peak_gbps(device: torch.device, mib: int = 256, reps: int = 5) -> flo
     """Host->device copy bandwidth from pinned memory (CUDA), or host memcpy bandwidth (CPU), in GB/s: best of
     ``reps`` copies of ``mib`` MiB."""
     device = torch.device(device)
-    cuda = device.type == "cuda"
+    seam = seam_for(device)
     n = mib * (1 << 20)
-    src = torch.empty(n, dtype=torch.uint8, pin_memory=cuda)
-    dst = torch.empty(n, dtype=torch.uint8, device=device)
+    src = seam.host_empty(n, torch.uint8)
+    dst = seam.device_empty(n, torch.uint8, device)
     best = float("inf")
     for _ in range(reps):
-        if cuda:
-            torch.cuda.synchronize(device)
+        seam.synchronize(device)
         t = time.perf_counter()
-        dst.copy_(src, non_blocking=cuda)
-        if cuda:
-            torch.cuda.synchronize(device)
+        seam.copy_(dst, src)
+        seam.synchronize(device)
         best = min(best, time.perf_counter() - t)
     return n / best / 1e9
 
