@@ -17,6 +17,14 @@ Modes (``linear=`` of :func:`kvtier.load_model`, the ``KVTIER_LINEAR`` variable,
 ``auto`` packs bf16 models on CPUs with native bf16 (AVX512-BF16 / AMX), where it is measured faster, and leaves
 everything else eager; ``packed`` packs every CPU ``nn.Linear`` in bf16 or fp32 (for measuring); ``eager`` packs
 nothing: today's stock path, bit for bit.
+
+Sibling projections of one input are packed as one weight (:class:`FusedLinear`): an attention's q/k/v and an MLP's
+gate/up. One oneDNN call then reads them all, and each module returns its columns of the result: 4 matmul calls a
+layer instead of 7, fewer and wider multiplies (the 0.5B model in bf16 on a 2-core AMX Xeon, serve's whole rows step
+at 512 tokens: 58.5 -> 55.9 ms at 1 row, 109.3 -> 104.5 ms at 32; ``benchmarks/linear_fuse_ab.py``, results in
+``benchmarks/results/linear_fuse_2026-12-04_xeon_amx/``). At decode row counts (1-33 rows
+measured) the fused product is the separate products bit for bit; at some prefill row counts oneDNN blocks the
+wider weight differently and they agree to rounding (tests/step/test_linear.py).
 """
 
 from __future__ import annotations
@@ -62,6 +70,18 @@ def packs_by_default(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_native() and packable(dtype)
 
 
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    """``w`` (out, in) reordered into oneDNN's blocked layout for ``mkldnn._linear_pointwise``."""
+    # The row-count hint only tunes the layout oneDNN picks; any row count runs on the result. 32, not 1: as fast
+    # at 1-8 rows and faster at 32 (2-core AMX Xeon), and bit-equal to stock F.linear at more row counts (with 1:
+    # only up to 32 rows; with 32: every count tried from 1 to 512 but 512 rows of an 896x896 weight).
+    return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS_HINT)
+
+
+def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
+
+
 class PackedLinear(nn.Module):
     """``nn.Linear`` with its weight reordered once into oneDNN's blocked layout (the only copy kept).
 
@@ -77,10 +97,7 @@ class PackedLinear(nn.Module):
             raise ValueError(f"PackedLinear needs a CPU bf16/fp32 weight oneDNN supports, got {w.dtype} on {w.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = w.dtype
-        # The row-count hint only tunes the layout oneDNN picks; any row count runs on the result. 32, not 1: as
-        # fast at 1-8 rows and faster at 32 (2-core AMX Xeon), and bit-equal to stock F.linear at more row counts
-        # (with 1: only up to 32 rows; with 32: every count tried from 1 to 512 but 512 rows of an 896x896 weight).
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS_HINT)
+        self.packed = _pack(w)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         if keep_weight:
             self.weight = linear.weight
@@ -88,7 +105,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != self.dtype:
             raise TypeError(f"PackedLinear({self.dtype}) got input of dtype {x.dtype}")
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
+        return _run_packed(x, self.packed, self.bias)
 
     @property
     def weight_bytes(self) -> int:
@@ -99,41 +116,143 @@ class PackedLinear(nn.Module):
                 f"dtype={self.dtype}, packed=oneDNN")
 
 
+# Sibling projections that models call on one input, one after the other (Llama-style attention and MLP names).
+FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        return None
+
+
+class _Fused:
+    """The packed weight of sibling projections, stacked by output rows, and the last input's product.
+
+    The first member called on an input ``x`` multiplies it by the stacked weight; the others, called on the same
+    tensor (the same object, not modified in place since), take their columns of that product instead of
+    multiplying again. A member called on anything else multiplies anew: always the right result, only slower."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        w = torch.cat([lin.weight.detach() for lin in linears])
+        self.packed = _pack(w)
+        self.bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
+        self.bounds, start = [], 0
+        for lin in linears:
+            self.bounds.append((start, start + lin.out_features))
+            start += lin.out_features
+        self._x = self._y = self._version = None
+        self._served: set[int] = set()
+
+    def columns(self, x: torch.Tensor, i: int) -> torch.Tensor:
+        """Member ``i``'s output for ``x`` (..., in) -> (..., out_i): a view of the stacked product's columns."""
+        if self._x is x and i not in self._served and _version(x) == self._version:
+            y = self._y
+            self._served.add(i)
+        else:
+            y = _run_packed(x, self.packed, self.bias)
+            self._x, self._y, self._version, self._served = x, y, _version(x), {i}
+        if len(self._served) == len(self.bounds):  # every member served: hold nothing between calls
+            self._x = self._y = None
+        a, b = self.bounds[i]
+        return y[..., a:b]
+
+
+class FusedLinear(nn.Module):
+    """One of sibling projections packed together (:class:`_Fused`): ``forward(x)`` (..., in_features) ->
+    (..., out_features), a column view of the one product of ``x`` with the stacked weight."""
+
+    def __init__(self, fused: _Fused, index: int, linear: nn.Linear) -> None:
+        super().__init__()
+        self.fused, self.index = fused, index  # a plain attribute: the stacked weight is not a submodule
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype = linear.weight.dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != self.dtype:
+            raise TypeError(f"FusedLinear({self.dtype}) got input of dtype {x.dtype}")
+        return self.fused.columns(x, self.index)
+
+    @property
+    def weight_bytes(self) -> int:  # this member's rows of the stacked weight
+        return self.in_features * self.out_features * self.dtype.itemsize
+
+    @property
+    def bias_bytes(self) -> int:
+        return 0 if self.fused.bias is None else self.out_features * self.dtype.itemsize
+
+    def extra_repr(self) -> str:
+        a, b = self.fused.bounds[self.index]
+        return (f"in_features={self.in_features}, out_features={self.out_features}, rows {a}:{b} of a stacked "
+                f"weight, bias={self.fused.bias is not None}, dtype={self.dtype}, packed=oneDNN")
+
+
+def _fusable(parent: nn.Module, names: tuple[str, ...], packs) -> list[nn.Linear] | None:
+    """The linears ``parent.<names>`` when they can share one packed weight: plain ``nn.Linear`` each, packed by
+    this mode, one input size and dtype, all with a bias or none (a zero bias would turn -0.0 into +0.0)."""
+    lins = [getattr(parent, n, None) for n in names]
+    if not all(type(lin) is nn.Linear and packs(lin.weight) for lin in lins):
+        return None
+    first = lins[0]
+    if any(lin.in_features != first.in_features or lin.weight.dtype != first.weight.dtype
+           or (lin.bias is None) != (first.bias is None) for lin in lins):
+        return None
+    return lins
+
+
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The naive path PackedLinear is tested against: stock ``F.linear`` on the plain weight."""
     return F.linear(x, weight, bias)
 
 
-def pack_linears(model: nn.Module, mode: str | None = None) -> int:
-    """Replace the model's CPU ``nn.Linear`` modules by :class:`PackedLinear` as ``mode`` says; returns how many.
+def pack_linears(model: nn.Module, mode: str | None = None, fuse: bool = True) -> int:
+    """Replace the model's CPU ``nn.Linear`` modules by :class:`PackedLinear` as ``mode`` says, and (``fuse``)
+    sibling projections of one input (:data:`FUSE_GROUPS`) by :class:`FusedLinear` members of one packed weight;
+    returns how many linears were replaced.
 
     Only exact ``nn.Linear`` instances are replaced (quantized or otherwise specialised subclasses keep their own
-    forward). For inference only: packed weights take no gradients.
+    forward); a group with a weight tied to an embedding table is not fused. For inference only: packed weights
+    take no gradients.
     """
     mode = linear_mode(mode)
     if mode == "eager":
         return 0
-    targets = []
-    for mod in model.modules():
-        for child_name, child in mod.named_children():
-            if type(child) is not nn.Linear:
-                continue
-            w = child.weight
-            ok = (packs_by_default(w.dtype, w.device) if mode == "auto"
-                  else w.device.type == "cpu" and packable(w.dtype))
-            if ok:
-                targets.append((mod, child_name))
+
+    def packs(w: torch.Tensor) -> bool:
+        return (packs_by_default(w.dtype, w.device) if mode == "auto"
+                else w.device.type == "cpu" and packable(w.dtype))
+
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    groups, targets = [], []
+    for mod in model.modules():
+        grouped = set()
+        if fuse:
+            for names in FUSE_GROUPS:
+                lins = _fusable(mod, names, packs)
+                if lins is not None and not any(id(lin.weight) in tables for lin in lins):
+                    groups.append((mod, names, lins))
+                    grouped.update(names)
+        for child_name, child in mod.named_children():
+            if type(child) is nn.Linear and child_name not in grouped and packs(child.weight):
+                targets.append((mod, child_name))
+    for mod, names, lins in groups:
+        fused = _Fused(lins)
+        for i, (name, lin) in enumerate(zip(names, lins)):
+            setattr(mod, name, FusedLinear(fused, i, lin))
     for mod, child_name in targets:
         lin = getattr(mod, child_name)
         setattr(mod, child_name, PackedLinear(lin, keep_weight=id(lin.weight) in tables))
-    if targets:
-        log.info("packed %d linear layers for oneDNN (linear=%s)", len(targets), mode)
-    return len(targets)
+    n = len(targets) + sum(len(names) for _, names, _ in groups)
+    if n:
+        log.info("packed %d linear layers for oneDNN (linear=%s; %d sibling groups share one weight each)", n, mode,
+                 len(groups))
+    return n
 
 
 def packed_count(model: nn.Module) -> int:
-    return sum(isinstance(m, PackedLinear) for m in model.modules())
+    """Linears running on packed weights (a fused group's members each count)."""
+    return sum(isinstance(m, (PackedLinear, FusedLinear)) for m in model.modules())
 
 
 def step_weight_bytes(model: nn.Module) -> int:
@@ -152,6 +271,8 @@ def step_weight_bytes(model: nn.Module) -> int:
         if isinstance(m, PackedLinear):
             total += m.weight_bytes
             add(m.bias)
+        elif isinstance(m, FusedLinear):
+            total += m.weight_bytes + m.bias_bytes
         elif isinstance(m, nn.Linear):
             add(m.weight)
             add(m.bias)

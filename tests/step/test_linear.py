@@ -231,3 +231,89 @@ def test_embedded_model_bf16_agrees_with_eager_up_to_its_own_ties():
     same = (seq_f[0, n:] == seq_e[0, n:]).int().cumprod(0).sum().item()
     print(f"bf16: first near-tie at step {first_tie}, chains equal for {same} steps")
     assert same >= first_tie
+
+
+def _siblings(dtype, outs, in_f, bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    lins = [nn.Linear(in_f, n, bias=bias).to(dtype) for n in outs]
+    with torch.no_grad():
+        for lin in lins:
+            lin.weight.copy_(torch.randn(lin.weight.shape, generator=g) * in_f**-0.5)
+            if bias:
+                lin.bias.copy_(torch.randn(lin.bias.shape, generator=g))
+    parent = nn.Module()
+    names = ("q_proj", "k_proj", "v_proj")[: len(outs)] if len(outs) == 3 else ("gate_proj", "up_proj")
+    for name, lin in zip(names, lins):
+        setattr(parent, name, lin)
+    return parent, names, [PackedLinear(lin) for lin in lins]
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("outs,in_f,bias", [((896, 128, 128), 896, True), ((4864, 4864), 896, False),
+                                             ((64, 32, 32), 96, False)])
+def test_fused_siblings_equal_their_separate_products(dtype, outs, in_f, bias):
+    """Each member of a fused group returns its own projection: bit for bit the separate packed product at decode
+    row counts (1-33; 0.5B shapes and a tiny one), and at prefill row counts as accurate as stock (the float64
+    bound of the test above)."""
+    from kvtier.step import FusedLinear
+
+    parent, names, separate = _siblings(dtype, outs, in_f, bias, seed=sum(outs))
+    assert pack_linears(parent, "packed") == len(names)
+    members = [getattr(parent, n) for n in names]
+    assert all(isinstance(m, FusedLinear) for m in members)
+    g = torch.Generator().manual_seed(7)
+    for rows in (1, 2, 7, 8, 13, 32, 33):
+        x = torch.randn(1, rows, in_f, generator=g).to(dtype)
+        for m, p in zip(members, separate):
+            assert torch.equal(m(x), p(x)), f"{rows} rows"
+    for rows in (64, 100, 333, 512):
+        x = torch.randn(rows, in_f, generator=g).to(dtype)
+        for m, p in zip(members, separate):
+            y, ref = m(x), p(x)
+            scale = (x.double().abs() @ x.new_ones(in_f, 1).double()).max().item()
+            bound = in_f**0.5 * torch.finfo(torch.float32).eps * scale + torch.finfo(dtype).eps * ref.abs().max().item()
+            assert (y.double() - ref.double()).abs().max().item() <= bound, f"{rows} rows"
+
+
+@needs_onednn
+def test_a_fused_member_never_returns_a_stale_product():
+    """The shared product is reused only for the very input it was computed from, once per member: other inputs,
+    another order, a member called twice and an input changed in place all get their own product; once every
+    member is served the group holds no tensor."""
+    parent, names, separate = _siblings(torch.float32, (64, 32, 32), 96, True, seed=3)
+    pack_linears(parent, "packed")
+    q, k, v = (getattr(parent, n) for n in names)
+    sq, sk, sv = separate
+    x, x2 = torch.randn(5, 96), torch.randn(5, 96)
+    assert torch.equal(v(x), sv(x)) and torch.equal(q(x), sq(x))  # any order
+    assert torch.equal(q(x), sq(x))  # q twice: recomputed, not taken from a served product
+    assert torch.equal(k(x2), sk(x2))  # another input
+    x.mul_(2)  # in place: same object, new version
+    assert torch.equal(k(x), sk(x)) and torch.equal(q(x), sq(x)) and torch.equal(v(x), sv(x))
+    assert q.fused._x is None and q.fused._y is None
+    with torch.inference_mode():  # inference tensors keep no version counter: identity still decides
+        xi = torch.randn(3, 96)
+        assert torch.equal(q(xi), sq(xi)) and torch.equal(k(xi), sk(xi)) and torch.equal(v(xi), sv(xi))
+        xj = torch.randn(3, 96)
+        assert torch.equal(k(xj), sk(xj)) and q.fused._x is xj  # another tensor: its own product, now pending
+
+
+@needs_onednn
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama", "tiny-qwen3"])
+def test_fusing_changes_no_decode_float(preset):
+    """A model with fused q/k/v and gate/up gives the logits of the same model packed without fusing, bit for bit,
+    over 64 greedy decode steps (the prefill is compared within rounding: oneDNN may block a wider weight
+    differently at prefill row counts); the weights read per step are the same bytes."""
+    model = random_model(preset, dtype=torch.float32)
+    fused, plain = copy.deepcopy(model), copy.deepcopy(model)
+    assert pack_linears(fused, "packed") == pack_linears(plain, "packed", fuse=False) == \
+        7 * model.config.num_hidden_layers + 1
+    assert type(fused.model.layers[0].self_attn.k_proj).__name__ == "FusedLinear"
+    assert type(plain.model.layers[0].self_attn.k_proj) is PackedLinear
+    assert step_weight_bytes(fused) == step_weight_bytes(plain) == step_weight_bytes(model)
+    ids = prompt_ids(batch=2, length=24, seed=5)
+    seq_f, log_f, _ = generate(fused, "full", ids, new_tokens=64)
+    seq_p, log_p, _ = generate(plain, "full", ids, new_tokens=64)
+    assert torch.equal(seq_f, seq_p)
+    assert torch.equal(log_f, log_p)
