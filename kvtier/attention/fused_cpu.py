@@ -16,6 +16,7 @@ AVX-512 machine is never loaded on an AVX2 one. A build lock left by a killed bu
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -103,16 +104,39 @@ def bf16_dots() -> bool:
     return bool(mod is not None and mod.bf16_dots())
 
 
+def amx_dots() -> bool:
+    """Whether this build takes bfloat16 logits through AMX tiles (AMX-BF16 at build time, the tile state granted
+    by the OS, not switched off by :func:`use_amx`): 16 keys x every query head of a group per tile product, K read in
+    place. Same products as the VDPBF16PS path (bf16 pairs are exact in float32), float32 sums in the tile's order."""
+    mod = _module()
+    return bool(mod is not None and mod.amx_dots())
+
+
+@contextlib.contextmanager
+def use_amx(on: bool):
+    """Within the block, AMX logits on or off for every thread (off: the VDPBF16PS path, the AMX path's reference
+    in tests and A/B timings); restored to on afterwards."""
+    mod = _module()
+    if mod is None:
+        yield
+        return
+    mod.set_amx(bool(on))
+    try:
+        yield
+    finally:
+        mod.set_amx(True)
+
+
 def sdpa_is_faster(dtype: torch.dtype) -> bool:
     """Whether ``kernel="auto"`` leaves the ``full`` cache's step (one region, no scores) on torch's SDPA: bfloat16
-    on CPUs with AMX tiles, where oneDNN multiplies on AMX. There the two are about even since the kernel's value
-    tiles and 16-key logits (an Intel Xeon with AMX-BF16, one layer without scores, 512-8192 tokens x batch 1
-    and 4: 0.96-1.06x SDPA's time in bfloat16; 0.72-0.93x in float32), so the stock path is kept. Elsewhere the kernel is the
-    faster one (AMD EPYC with AVX512-BF16, 512-8192 tokens, batch 1 and 4: 0.69-0.84x in bfloat16, 0.52-0.90x in
-    float32, before those two changes, not re-measured there); ``benchmarks/kernel_micro.py``, results in
-    ``benchmarks/results/cpu_xeon_amx_2026-12-02/kernel_micro_final.txt``. A rule by ISA, not a timing at start,
-    so that one machine always runs one path (a reference policy's floats must not depend on load)."""
-    return dtype == torch.bfloat16 and "amx_bf16" in _cpu_signature().split()
+    on CPUs with AMX tiles when this build cannot take its logits through them (:func:`amx_dots`), where oneDNN's
+    SDPA multiplies on AMX and the two are about even (an Intel Xeon with AMX-BF16, one layer without scores,
+    512-8192 tokens x batch 1 and 4: 0.96-1.06x SDPA's time, ``benchmarks/results/cpu_xeon_amx_2026-12-02/``).
+    With AMX logits and prefetched K/V the kernel is the faster one there too (same machine, 2026-12-04:
+    0.69-0.82x SDPA's time at 512-8192 tokens x batch 1 and 4, ``benchmarks/kernel_micro.py``), as it is elsewhere
+    (AMD EPYC with AVX512-BF16: 0.69-0.84x in bfloat16; float32 everywhere). A rule by ISA and build, not a timing
+    at start, so that one machine always runs one path (a reference policy's floats must not depend on load)."""
+    return dtype == torch.bfloat16 and "amx_bf16" in _cpu_signature().split() and not amx_dots()
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -198,5 +222,5 @@ def staging_buffer_bytes() -> int:
     return 0 if mod is None else int(mod.staging_buffer_bytes())
 
 
-__all__ = ["KERNEL_MODES", "append_rows", "attend", "attend_rows", "available", "bf16_dots", "build_name", "sdpa_is_faster", "staging_buffer_bytes",
+__all__ = ["KERNEL_MODES", "append_rows", "attend", "attend_rows", "available", "amx_dots", "bf16_dots", "build_name", "sdpa_is_faster", "staging_buffer_bytes", "use_amx",
            "supports", "take_staging_seconds"]
