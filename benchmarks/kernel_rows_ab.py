@@ -1,0 +1,82 @@
+"""serve's rows step attention (``fused_decode_rows``) at a git revision vs the working tree, cold, side by side.
+
+    python benchmarks/kernel_rows_ab.py --base HEAD~1 [--rows 32] [--context 512] [--layers 24] [--amx-off]
+
+Every layer of Qwen2.5-0.5B's shapes (2 kv-heads x 7 query heads, head dim 64) gets its own ``--rows`` one-row
+``full`` caches of ``--context`` bf16 tokens (24 layers x 32 rows x 512 tokens: 201 MB, more than the caches hold,
+as in a real step), and one repetition calls the kernel once per layer, alternating base and working tree. Prints
+medians, the KV read rate and the largest output difference; ``--amx-off`` adds the working tree with its AMX
+logits switched off (the prefetch alone). Built as kvtier builds its kernel (``kernel_ab.build``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from kernel_ab import build  # this folder is on sys.path when run as a script
+
+from kvtier.attention import fused_cpu
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--base", default="HEAD")
+    ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--amx-off", action="store_true")
+    a = ap.parse_args()
+    R, T, L, H, g, D = a.rows, a.context, a.layers, 2, 7, 64
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _ in range(L):
+        rows = []
+        for _ in range(R):
+            k = torch.randn(1, H, T, D, generator=gen).to(torch.bfloat16)
+            v = torch.randn(1, H, T, D, generator=gen).to(torch.bfloat16)
+            rows.append(([k], [v], [torch.zeros(1, 1, 1, T)], [torch.arange(T).view(1, T)], [], 1.0))
+        layers.append([list(x) for x in zip(*rows)])
+    q = torch.randn(R, H, g, D, generator=gen).to(torch.bfloat16)
+    kv_bytes = L * R * 2 * H * T * D * 2
+    rel = fused_cpu._SRC.relative_to(Path(__file__).resolve().parents[1])
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        base_src = root / "base.cpp"
+        base_src.write_bytes(subprocess.run(["git", "show", f"{a.base}:{rel}"], check=True, capture_output=True).stdout)
+        mods = {"base": build("rows_base", base_src, root), "new": build("rows_new", fused_cpu._SRC, root)}
+        variants = [("base", mods["base"], True), ("new", mods["new"], True)]
+        if a.amx_off:
+            variants.append(("new, AMX off", mods["new"], False))
+        times: dict[str, list[float]] = {n: [] for n, _, _ in variants}
+        outs = {}
+        for rep in range(a.reps + 2):
+            for name, mod, amx in variants:
+                if hasattr(mod, "set_amx"):
+                    mod.set_amx(amx)
+                t = time.perf_counter()
+                for ks, vs, bs, ps, sc, ss in layers:
+                    o = mod.fused_decode_rows(q, ks, vs, bs, ps, sc, ss, 0.125)
+                if rep >= 2:
+                    times[name].append(time.perf_counter() - t)
+                outs[name] = o
+            if hasattr(mods["new"], "set_amx"):
+                mods["new"].set_amx(True)
+    print(f"base {a.base} vs working tree: {R} rows x {T} tokens x {L} layers, bf16, {kv_bytes / 1e6:.0f} MB of "
+          f"K/V, threads {torch.get_num_threads()}")
+    base = statistics.median(times["base"])
+    for name, ts in times.items():
+        m = statistics.median(ts)
+        diff = (outs[name].float() - outs["base"].float()).abs().max().item()
+        print(f"  {name:14s} {m * 1e3:6.1f} ms  {kv_bytes / m / 1e9:5.1f} GB/s  vs base {m / base:.2f}  "
+              f"max|diff| {diff:.1e}")
+
+
+if __name__ == "__main__":
+    main()
