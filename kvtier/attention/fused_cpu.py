@@ -209,6 +209,16 @@ def append_rows(k: torch.Tensor, v: torch.Tensor, idx: list[int], dst_ks: list[t
     mod.append_rows(k, v, list(idx), dst_ks, dst_vs, list(cols))
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum: ``x`` (R, V) float32 or bfloat16 on the CPU -> (R,) int64, what
+    ``x.float().argmax(dim=-1)`` gives (a NaN counts as the maximum) in one pass over ``x``, rows in parallel, without
+    a float32 copy: serve's greedy pick. Falls back to that expression where the kernel is not built."""
+    mod = _module()
+    if mod is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
+        return x.float().argmax(dim=-1)
+    return mod.argmax_rows(x if x.stride(-1) == 1 else x.contiguous())
+
+
 def take_staging_seconds() -> float:
     """Seconds the kernel's workers spent copying staged blocks in the calls this thread made since its last take,
     divided by the threads that share the work (the copies run side by side, one block per worker at a time): the
@@ -223,5 +233,5 @@ def staging_buffer_bytes() -> int:
     return 0 if mod is None else int(mod.staging_buffer_bytes())
 
 
-__all__ = ["KERNEL_MODES", "append_rows", "attend", "attend_rows", "available", "amx_dots", "bf16_dots", "build_name", "sdpa_is_faster", "staging_buffer_bytes", "use_amx",
+__all__ = ["KERNEL_MODES", "append_rows", "argmax_rows", "attend", "attend_rows", "available", "amx_dots", "bf16_dots", "build_name", "sdpa_is_faster", "staging_buffer_bytes", "use_amx",
            "supports", "take_staging_seconds"]

@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from ..attention.fused_cpu import argmax_rows
 from ..cache.base import model_shape
 from ..cache.state import full_columns, tail_columns
 from ..compat import cache_kw
@@ -277,10 +278,10 @@ class ContinuousEngine(Engine):
             r.pending = None
         self._note_device()
         logits = out.logits[0]  # (B, V) in the model's dtype
-        # Greedy rows: one max over the batch, in the model's dtype. The index is the first maximum, as float32
-        # argmax finds it (bf16 -> float32 is exact), but without the float32 copy of every row's logits: at 32
-        # rows of a 152K vocabulary, float() + argmax took ~15 ms a step, max on bf16 ~2 (2-core Xeon, AMX).
-        greedy = logits.max(dim=-1).indices.tolist() if any(r.sampler is None for r in rows) else None
+        # Greedy rows: one pass over the batch's logits in the model's dtype, each row's first maximum as float32
+        # argmax finds it (bf16 -> float32 is exact), without the float32 copy of every row: at 32 rows of a 152K
+        # vocabulary in bf16, float() + argmax took ~4 ms a step, torch.max ~1.9, argmax_rows ~0.4 (2-core Xeon).
+        greedy = argmax_rows(logits).tolist() if any(r.sampler is None for r in rows) else None
         produced = 0
         for i, row in enumerate(rows):
             if not row.done:

@@ -381,3 +381,25 @@ def test_fused_refuses_where_it_cannot_run(qwen2):
     cache.state.host_threaded = True  # the host tiers on a worker thread (the CUDA arrangement)
     with pytest.raises(ValueError, match="kernel='fused' is not possible.*worker thread"):
         decode_loop(qwen2, cache, prompt_ids(length=12), steps=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_rows_is_float32_argmax(dtype):
+    """Serve's greedy pick: each row's first maximum, as float32 argmax finds it, in a row of ties, a row whose
+    maximum sits in the ragged tail, rows with +-inf, with a NaN (it wins, the first one), all -inf, and a strided
+    view of a wider buffer."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 1003, generator=g).to(dtype)
+    x[1] = 0.5  # ties everywhere: the first index
+    x[2, 1001] = 100.0  # past the last full block of 16
+    x[3, 7], x[3, 500] = float("inf"), float("inf")
+    x[4, 20], x[4, 900] = float("-inf"), float("nan")
+    x[5, 33], x[5, 34] = float("nan"), float("nan")
+    x[6] = float("-inf")
+    x[7, 0] = 50.0
+    x[8, 600], x[8, 601] = 9.0, 9.0
+    want = x.float().argmax(dim=-1)
+    assert torch.equal(fused_cpu.argmax_rows(x), want)
+    assert fused_cpu.argmax_rows(x).tolist()[1:7] == [0, 1001, 7, 900, 33, 0]
+    wide = torch.randn(4, 2000, generator=g).to(dtype)
+    assert torch.equal(fused_cpu.argmax_rows(wide[:, 100:1100]), wide[:, 100:1100].float().argmax(dim=-1))
