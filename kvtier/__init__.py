@@ -24,8 +24,9 @@ def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
         **params: the policy's parameters, e.g. ``hbm_ratio=0.3, evict_ratio=0.03``.
     Raises:
         ValueError: unknown policy or parameter, or a parameter out of range.
-        NotImplementedError: the model's attention is not supported (attention sinks, soft-capping, MLA, every
-            layer sliding); a hybrid model's sliding layers keep their window and the policy takes the full ones.
+        NotImplementedError: the model's attention is not supported (soft-capping, MLA, every layer sliding); a
+            hybrid model's sliding layers keep their window and the policy takes the full ones; attention sinks
+            (gpt-oss) join every softmax, on the eager paths.
     """
     from .tiers.tiermap import attach_recorder, check_record_tiers
 
@@ -33,7 +34,7 @@ def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
     cls.check_params(params)
     check_record_tiers(record_tiers)
     prepare_model(model)
-    from .attention.registration import num_cache_layers
+    from .attention.registration import has_sinks, num_cache_layers
     from .cache.base import model_shape
     from .cache.sliding import interleave, layer_plan
 
@@ -44,6 +45,8 @@ def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
         types, window = hybrid
         cache = interleave(cls.build(sum(t != "sliding_attention" for t in types), **params), types, window)
     cache.model_shape = model_shape(model.config)  # (layers, kv-heads, head_dim): checked at the first prefill
+    if has_sinks(model) and hasattr(cache, "state"):
+        cache.state.model_sinks = True  # the kernel has no sink logit: this cache's steps stay on the eager paths
     attach_recorder(cache, record_tiers)
     return cache
 

@@ -10,6 +10,11 @@ device, T1 and dequantised T2 wherever they are attended); each region gives a :
 The merged, normalised weight of key j in region r is ``exp(s_j - m_r) * exp(m_r - m) / L``: the cumulative score
 is rebuilt from each region's kept ``exp(s_j - m_r)`` and its factor ``f_r = exp(m_r - m) / L``.
 :func:`ordered` (softmax over keys gathered in position order) is the bit-exact reference kept beside it.
+
+**Attention sinks** (gpt-oss): a learned logit per query head that enters every softmax's denominator and brings
+no value. In the merge it is one more partial — ``m = sink``, ``l = 1``, ``o = 0`` (:func:`sink_partial`) — so the
+split paths stay exact; :func:`ordered` and :func:`dense` put it beside the keys' logits as transformers' eager
+attention does. The weights it leaves to the keys sum to less than 1; the cumulative scores take them as they are.
 Pure functions on tensors; no cache state here.
 """
 
@@ -66,6 +71,13 @@ def partial(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tens
     return Partial(o, m, l, e if keep_weights else None)
 
 
+def sink_partial(sinks: torch.Tensor, B: int, H: int, g: int, D: int) -> Partial:
+    """The sinks as a region of one logit and no value: ``sinks`` (H * g,) per query head (kv-head major, as
+    the model's heads are numbered) -> m (B, H, g, 1) = sink, l = 1, o = 0, float32."""
+    m = sinks.detach().to(torch.float32).reshape(1, H, g, 1).expand(B, H, g, 1)
+    return Partial(torch.zeros(B, H, g, D, dtype=torch.float32, device=sinks.device), m, torch.ones_like(m))
+
+
 def combine(parts: list[Partial]) -> tuple[Partial, list[torch.Tensor]]:
     """Partials -> one unnormalised partial (as if their keys were one region) and each input's factor
     ``c_r = exp(m_r - m)`` (B, H, g, 1), so that weights stay recoverable: ``e_r * c_r`` is relative to ``m``.
@@ -107,21 +119,66 @@ def add_weights(scores: torch.Tensor, pos: torch.Tensor, e: torch.Tensor, f: tor
     scores.scatter_add_(1, pos, (weights(e, f) * scale).to(scores.dtype))
 
 
-def ordered(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+def _softmax(s: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``s`` (B, H, g, K), float32; with ``sinks`` ((H * g,), one logit per query
+    head) a column of them joins the softmax and is dropped after, as in transformers' eager attention (gpt-oss)."""
+    if sinks is None:
+        return torch.softmax(s, dim=-1, dtype=torch.float32)
+    B, H, g, _ = s.shape
+    col = sinks.detach().to(s.dtype).reshape(1, H, g, 1).expand(B, H, g, 1)
+    return torch.softmax(torch.cat([s, col], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+
+
+def ordered(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scaling: float,
+            sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The reference: softmax over every kept key gathered in position order.
 
     Also the one dense decode softmax of the head-wise eviction caches, whose kept keys differ per kv-head.
 
     Args:
         qg: (B, H, g, D); k, v: (B, H, K, D) in position order; mask: (B, 1, 1, K) or per kv-head (B, H, 1, K) bool.
+        sinks: (H * g,) the model's sink logit per query head, or None.
     Returns:
         output (B, H, g, D) in ``v``'s dtype and the weights (B, H, g, K) float32.
     """
     s = torch.matmul(qg, k.transpose(-1, -2)) * scaling
     s = s.masked_fill(~mask, _NEG_INF)
-    p = torch.softmax(s, dim=-1, dtype=torch.float32)
+    p = _softmax(s, sinks)
     return torch.matmul(p.to(v.dtype), v), p
+
+
+def dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None, scaling: float,
+          sinks: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """Attention of many queries with sinks (a model's prefill, a sliding layer's window), where SDPA has no sink:
+    transformers' eager math, chunk by chunk of queries to bound the (q x kv) weights.
+
+    Args:
+        query: (B, Hq, q, D); key, value: (B, H, kv, D) (GQA: Hq a multiple of H); mask: (B, 1, q, kv) bool (True:
+            attend), or None for causal attention with the queries at the last q positions of the keys;
+        sinks: (Hq,) one logit per query head.
+    Returns:
+        (B, Hq, q, D) in ``value``'s dtype.
+    """
+    B, Hq, q, D = query.shape
+    H, kv = key.shape[1], key.shape[2]
+    g = Hq // H
+    k = key.repeat_interleave(g, dim=1) if g > 1 else key
+    v = value.repeat_interleave(g, dim=1) if g > 1 else value
+    outs = []
+    for c in range(0, q, chunk):
+        qc = query[:, :, c : c + chunk]
+        s = torch.matmul(qc, k.transpose(-1, -2)) * scaling  # (B, Hq, n, kv)
+        if mask is None:
+            n = qc.shape[2]
+            rows = torch.arange(kv - q + c, kv - q + c + n, device=s.device).view(-1, 1)
+            m = torch.arange(kv, device=s.device).view(1, -1) <= rows
+        else:
+            m = mask[:, :, c : c + chunk]
+        s = s.masked_fill(~m, _NEG_INF)
+        col = sinks.detach().to(s.dtype).view(1, Hq, 1, 1).expand(B, Hq, s.shape[2], 1)
+        p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        outs.append(torch.matmul(p.to(v.dtype), v))
+    return torch.cat(outs, dim=2)
 
 
 def causal_weight_sums(query: torch.Tensor, k: torch.Tensor, key_valid: torch.Tensor, query_valid: torch.Tensor,
@@ -150,5 +207,5 @@ def causal_weight_sums(query: torch.Tensor, k: torch.Tensor, key_valid: torch.Te
     return acc
 
 
-__all__ = ["EMPTY", "Partial", "add_weights", "causal_weight_sums", "mask_bias", "combine", "merge", "ordered",
-           "partial", "weights"]
+__all__ = ["EMPTY", "Partial", "add_weights", "causal_weight_sums", "dense", "mask_bias", "combine", "merge", "ordered",
+           "partial", "sink_partial", "weights"]

@@ -14,6 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..compat import take_over
+from .merge import dense
 
 ATTN_NAME = "kvtier"
 
@@ -25,9 +26,6 @@ _UNSUPPORTED = {
     "deepseek_v3": ("multi-head latent attention (MLA)", _MLA),
     "gemma2": ("attention soft-capping (a tanh on the logits, which kvtier's attention paths do not apply)",
                "Gemma 3 has no soft-capping and is supported"),
-    "gpt_oss": ("a learned attention sink per head (a logit with no value in every softmax), not yet in kvtier's "
-                "attention paths", "`kvtier plan --model openai/gpt-oss-20b` answers for its shapes (sliding "
-                "layers included); Gemma 3, hybrid without sinks, is supported"),
 }
 
 
@@ -51,9 +49,15 @@ def kvtier_attention(
     layer = kwargs.pop("kvtier_layer", None)
     handed = take_over(key)  # transformers < 5.24 pass no kwargs to cache.update (see kvtier.compat)
     layer = layer if layer is not None else handed
-    if layer is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    if layer.is_sliding:  # a hybrid model's sliding layer: its window, attended as transformers' SDPA does
+    sinks = kwargs.pop("s_aux", None)  # gpt-oss: a learned sink logit per query head (Hq,)
+    if layer is None or layer.is_sliding:
+        # no kvtier cache, or a hybrid model's sliding layer (its window): transformers' SDPA, or its eager math
+        # where the model has sinks (SDPA has none)
+        if sinks is not None:
+            if scaling is None:
+                scaling = query.shape[-1] ** -0.5
+            out = dense(query, key, value, attention_mask, scaling, sinks)
+            return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     if kwargs.get("sliding_window") is not None:
@@ -62,7 +66,7 @@ def kvtier_attention(
         scaling = query.shape[-1] ** -0.5
     if layer.layer_idx == 0 and query.shape[2] > 1:
         layer.check_model(module, key)
-    return layer.attend(query, key, value, attention_mask, scaling)
+    return layer.attend(query, key, value, attention_mask, scaling, sinks=sinks)
 
 
 def _register() -> None:
@@ -108,6 +112,12 @@ def prepare_model(model) -> None:
     _register()
     if getattr(model.config, "_attn_implementation", None) != ATTN_NAME:
         model.set_attn_implementation(ATTN_NAME)
+
+
+def has_sinks(model) -> bool:
+    """Whether the model's attention modules carry a learned sink logit per head (gpt-oss's ``sinks``)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in model.modules()
+               if hasattr(m, "layer_idx"))
 
 
 def num_cache_layers(model) -> int:

@@ -20,22 +20,30 @@ from ..tiers.planner import T0, T1, T2
 from ..tiers.quant import dequantize
 from . import fused_cpu
 from .host import HostRegion, host_tiers_partial
-from .merge import Partial, add_weights, merge, ordered, partial
+from .merge import Partial, add_weights, merge, ordered, partial, sink_partial
 
 if TYPE_CHECKING:
     from ..cache.layer import TieredLayer
 
 
-def attend_full(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend_full(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """Split mode without scores (the full cache): one region, read in place by the fused CPU kernel or SDPA.
 
     The query heads of one KV head attend as one group: ``query`` (B, Hq, 1, D) is viewed as (B, H_kv, Hq/H_kv,
     D) — Hq/H_kv "query positions" per KV head, nothing causal between them — rather than passing
-    ``enable_gqa``, which on CPU falls off SDPA's fused kernel (2-3x slower at 2K-8K tokens, measured)."""
+    ``enable_gqa``, which on CPU falls off SDPA's fused kernel (2-3x slower at 2K-8K tokens, measured). With
+    ``sinks`` (Hq,): the eager partial of the buffer merged with the sinks' partial (SDPA and the kernel have none)."""
     st = layer.state
     n = st.n_total
     B, Hq, _, D = query.shape
     H = layer.tail_k.shape[1]
+    if sinks is not None:
+        bias, _ = st.device_view(0, layer.tail_k.shape[2])
+        qg = query.reshape(B, H, Hq // H, D).contiguous()
+        out, _ = merge([partial(qg, layer.dev_k, layer.dev_v, bias, scaling, False),
+                        sink_partial(sinks, B, H, Hq // H, D)])
+        return out.to(query.dtype).reshape(B, Hq, 1, D)
     if st.fused:
         # the whole buffer with its closed columns (-inf, never read) rather than a slice: the mask and
         # positions are rebuilt only when the buffer grows, and one column opens per step
@@ -49,8 +57,10 @@ def attend_full(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torc
     return out.reshape(B, Hq, 1, D)
 
 
-def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Each region attended where it lives, merged by log-sum-exp; scores from the merged weights."""
+def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+                 ) -> torch.Tensor:
+    """Each region attended where it lives, merged by log-sum-exp; scores from the merged weights. ``sinks``
+    (Hq,): one more partial in the merge (a logit, no value), on the eager path (the kernel has no sink)."""
     st = layer.state
     lay = st.layout
     B, Hq, _, D = query.shape
@@ -60,7 +70,7 @@ def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float) -> tor
     meta = st.meta()
     inv = st.inv_heads_layers
     host_tiers = [x for x in (T1, T2) if lay.tiers[x].count]
-    if st.fused:
+    if st.fused and sinks is None:
         return attend_fused(layer, qg, host_tiers, meta, scaling, inv).to(query.dtype)
     # rows [0, r) stream their host tiers to the device, rows [r, B) attend them on the host ("both" when
     # 0 < r < B): each row's host tiers give one partial either way, and the two row blocks make one
@@ -87,10 +97,10 @@ def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float) -> tor
             pieces.append(hp)
         parts.append(pieces[0] if len(pieces) == 1 else
                      Partial(*(torch.cat([getattr(p, a) for p in pieces]) for a in ("o", "m", "l"))))
-    out, fs = merge(parts)
+    out, fs = merge(parts if sinks is None else parts + [sink_partial(sinks, B, H, Hq // H, D)])
     add_weights(st.scores, dpos, parts[0].e, fs[0], inv)
     if host_tiers:
-        f_host = fs[-1]
+        f_host = fs[len(parts) - 1]
         if stream_state is not None:
             for p, c, ps in zip(*stream_state):
                 add_weights(st.scores[streamed], ps, p.e, c * f_host[streamed], inv)
@@ -186,14 +196,16 @@ def host_regions(layer: TieredLayer, tiers: list[int], meta: dict, on_host: bool
     return out
 
 
-def attend_ordered(layer: TieredLayer, query: torch.Tensor, scaling: float) -> torch.Tensor:
-    """The reference: every kept token gathered in position order, one softmax (bit-identical across HBM ratios)."""
+def attend_ordered(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+                   ) -> torch.Tensor:
+    """The reference: every kept token gathered in position order, one softmax (bit-identical across HBM ratios);
+    ``sinks`` (Hq,) join it where the model has them."""
     st = layer.state
     B, Hq, _, D = query.shape
     k, v = assemble(layer)
     H = k.shape[1]
     sv = st.step_view()
-    out, p = ordered(query.reshape(B, H, Hq // H, D), k, v, sv["mask"], scaling)
+    out, p = ordered(query.reshape(B, H, Hq // H, D), k, v, sv["mask"], scaling, sinks)
     if st.retier_enabled:
         # s_i += mean over layers of mean over all query heads of the attention weight on i.
         w = p.sum(dim=(1, 2)) * st.inv_heads_layers

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..attention.merge import ordered
+from ..attention.merge import dense, ordered
 from ..config import EvictionBudget  # noqa: F401 (its documented home was here)
 from .base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
 from .stats import sliding_stats
@@ -262,7 +262,7 @@ class HeadwiseLayer(KVTierLayer):
 
     # ---- attention ---------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
-               scaling: float):
+               scaling: float, sinks: torch.Tensor | None = None):
         st = self.state
         B, Hq, q, D = query.shape
         if self.layer_idx == 0:
@@ -270,14 +270,18 @@ class HeadwiseLayer(KVTierLayer):
         k, v = self.k[:, :, : self.S], self.v[:, :, : self.S]
         prefill = q == st.n_total  # the cache's first tokens (a one-token prompt included)
         if prefill:
-            out = F.scaled_dot_product_attention(
-                query, k, v, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling, enable_gqa=True
-            )
+            if sinks is not None:  # gpt-oss: SDPA has no sink logit
+                out = dense(query, k, v, attention_mask, scaling, sinks)
+            else:
+                out = F.scaled_dot_product_attention(
+                    query, k, v, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling,
+                    enable_gqa=True
+                )
             st.scorer.after_prefill(self, query, scaling)
         else:
             H = k.shape[1]
             # one softmax over this kv-head's kept slots; p (B, H, g, S) float32 feeds the scorer
-            out, p = ordered(query.reshape(B, H, Hq // H, D), k, v, self.slot_valid().unsqueeze(2), scaling)
+            out, p = ordered(query.reshape(B, H, Hq // H, D), k, v, self.slot_valid().unsqueeze(2), scaling, sinks)
             out = out.reshape(B, Hq, 1, D)
             st.scorer.after_decode(self, query, p, scaling)
         # Every row gained its q new real tokens (the prompt: its real length), and compression keeps exactly

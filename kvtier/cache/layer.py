@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from ..attention import tiered
+from ..attention.merge import dense
 from ..tiers.layout import TAIL
 from ..tiers.planner import T0, T1, T2
 from ..tiers.quant import dequantize, quantize
@@ -241,10 +242,13 @@ class TieredLayer(KVTierLayer):
 
     # ---- attention ---------------------------------------------------------------------------
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, scaling: float) -> tuple[torch.Tensor, None]:
+               attention_mask: torch.Tensor | None, scaling: float,
+               sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
         """Attention of ``query`` (B, Hq, q, D) over this layer's kept tokens -> (B, q, Hq, D).
 
-        ``key``/``value`` (B, H, q, D) are this step's new states (the whole prompt at prefill)."""
+        ``key``/``value`` (B, H, q, D) are this step's new states (the whole prompt at prefill). ``sinks`` (Hq,):
+        the model's sink logit per query head (gpt-oss), or None; with sinks every path is eager (the fused
+        kernel and SDPA have no sink) and the sinks join each softmax (:mod:`kvtier.attention.merge`)."""
         st = self.state
         B, Hq, q, D = query.shape
         # a prefill brings the cache's first tokens (update() has counted them): a one-token prompt is one too
@@ -256,21 +260,25 @@ class TieredLayer(KVTierLayer):
                 if st.retier_enabled:
                     st.place_prefill()
         if prefill:
-            # Prefill of an empty cache: SDPA over the prompt, never building the (q x q) weights.
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling,
-                enable_gqa=True,
-            )
+            # Prefill of an empty cache: SDPA over the prompt, never building the (q x q) weights (with sinks:
+            # the eager math, chunk by chunk of queries)
+            if sinks is not None:
+                out = dense(query, key, value, attention_mask, scaling, sinks)
+            else:
+                out = F.scaled_dot_product_attention(
+                    query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling,
+                    enable_gqa=True,
+                )
             if st.retier_enabled:
                 self._migrate(tail=(key, value))
             return out.transpose(1, 2).contiguous(), None
         self._decode_bookkeeping()
         if st.attention == "ordered":
-            out = tiered.attend_ordered(self, query, scaling)
+            out = tiered.attend_ordered(self, query, scaling, sinks)
         elif not st.retier_enabled:
-            out = tiered.attend_full(self, query, scaling)
+            out = tiered.attend_full(self, query, scaling, sinks)
         else:
-            out = tiered.attend_split(self, query, scaling)
+            out = tiered.attend_split(self, query, scaling, sinks)
         return out.reshape(B, Hq, 1, D).transpose(1, 2), None
 
     def _decode_bookkeeping(self) -> None:

@@ -98,7 +98,7 @@ class RowsLayer(KVTierLayer):
         return key_states, value_states
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-               attention_mask: torch.Tensor | None, scaling: float):
+               attention_mask: torch.Tensor | None, scaling: float, sinks: torch.Tensor | None = None):
         """``query`` (B, Hq, 1, D) -> (B, 1, Hq, D): each row attended by its own layer, as if alone; packed:
         (1, Hq, N, D) -> (1, N, Hq, D), span by span. The decode steps of rows whose step is one fused-kernel call
         (``full``, and tiered rows on the kernel's path; :meth:`~kvtier.cache.layer.TieredLayer.fused_region`) go
@@ -108,7 +108,7 @@ class RowsLayer(KVTierLayer):
         Hq, D = query.shape[1], query.shape[3]
         together, calls = [], []
         for i, (row, (_, n)) in enumerate(zip(self.rows, spans)):
-            call = row.fused_region(Hq, query.dtype) if n == 1 else None
+            call = row.fused_region(Hq, query.dtype) if n == 1 and sinks is None else None
             if call is not None:
                 together.append(i)
                 calls.append(call)
@@ -130,7 +130,7 @@ class RowsLayer(KVTierLayer):
                 outs.append(done[i])
             else:
                 outs.append(row.attend(self._piece(query, i, s, n), self._piece(key, i, s, n),
-                                       self._piece(value, i, s, n), None, scaling)[0])
+                                       self._piece(value, i, s, n), None, scaling, sinks=sinks)[0])
         return torch.cat(outs, dim=1 if packed else 0), None
 
     def check_model(self, module, key: torch.Tensor) -> None:  # each row was checked at its own prefill

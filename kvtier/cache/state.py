@@ -74,6 +74,7 @@ class TierState:
         self.kernel = kernel
         self.fused = False  # this cache's split decode runs the fused CPU kernel (decided at the first update)
         self._kernel_ok = False  # the kernel could take its step (decided at the first update): rows_fused
+        self.model_sinks = False  # the model has attention sinks (set by make_cache): every step eager
         self.host: HostAttention | None = None
         self.bandwidth: dict[str, float] | None = None
         # rows that stream their host tiers, in place of the per-layout choice (tests and tuning; eager path only:
@@ -176,6 +177,8 @@ class TierState:
             why = "host_threaded=True runs the host tiers on a worker thread"
         elif not fused_cpu.available():
             why = "it could not be built (see the log)"
+        elif self.model_sinks:
+            why = "the model has attention sinks (the kernel has no sink logit yet; the eager paths merge them)"
         return why
 
     def _grow(self, need: int) -> None:

@@ -182,16 +182,15 @@ def test_unsupported_models_are_named():
         kvtier.make_cache("tiered", Qwen2ForCausalLM(cfg))
 
 
-def test_gpt_oss_loads_and_its_refusal_names_the_sinks_and_what_instead():
-    """The gpt-oss preset builds offline (random weights, hybrid layers, experts); a kvtier cache for it is
-    refused for its attention sinks, naming the alternatives (the planner; Gemma 3, hybrid without sinks)."""
+def test_gpt_oss_loads_offline_and_is_marked_as_a_model_with_sinks():
+    """The gpt-oss preset builds offline (random weights, hybrid layers, experts); its cache knows the model has
+    attention sinks (tests/attention/test_sinks.py runs it)."""
     from kvtier.models import random_model
 
     model = random_model("tiny-gpt-oss")
     assert "sliding_attention" in model.config.layer_types and "full_attention" in model.config.layer_types
-    with pytest.raises(NotImplementedError, match="attention sink") as err:
-        kvtier.make_cache("tiered", model)
-    assert "Instead:" in str(err.value) and "kvtier plan --model openai/gpt-oss-20b" in str(err.value)
+    assert kvtier.make_cache("tiered", model).state.model_sinks
+    assert not kvtier.make_cache("tiered", random_model("tiny-qwen2")).state.model_sinks
 
 
 def test_mla_refusal_points_to_the_design_note_and_the_distills():
