@@ -46,7 +46,7 @@ def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
         cache = interleave(cls.build(sum(t != "sliding_attention" for t in types), **params), types, window)
     cache.model_shape = model_shape(model.config)  # (layers, kv-heads, head_dim): checked at the first prefill
     if has_sinks(model) and hasattr(cache, "state"):
-        cache.state.model_sinks = True  # the kernel has no sink logit: this cache's steps stay on the eager paths
+        cache.state.model_sinks = True  # SDPA has no sink logit: full's step takes the kernel (or the eager merge)
     attach_recorder(cache, record_tiers)
     return cache
 

@@ -146,7 +146,7 @@ def supports(dtype: torch.dtype) -> bool:
 
 def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], biases: list[torch.Tensor],
            poss: list[torch.Tensor], scores: list[torch.Tensor] | None, score_scale: float, scaling: float,
-           staged: list[bool] | None = None) -> torch.Tensor:
+           staged: list[bool] | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax of ``qg`` over the union of the regions, and (optionally) the score update.
 
     Args:
@@ -162,6 +162,8 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
             of its V, is copied into a staging buffer of the worker thread and read from there, so the device-side
             copy is one block per thread rather than the layer's whole tier (:func:`take_staging_seconds`,
             :func:`staging_buffer_bytes`). Same floats as reading it in place.
+        sinks: (H * g,) the model's sink logit per query head (gpt-oss), or None: it joins each softmax's
+            maximum and denominator and brings no value (the eager path's ``merge.sink_partial``).
     Returns:
         (B, H, g, D) in ``qg``'s dtype (float32 for other dtypes), the normalised attention output: float32
         statistics and sums, a bfloat16 output rounded once (as ``.to(torch.bfloat16)`` would).
@@ -172,10 +174,18 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
     if qg.dtype not in (torch.float32, torch.bfloat16):
         qg = qg.to(torch.float32)
     return mod.fused_decode(qg.contiguous(), ks, vs, biases, poss, scores or [],
-                            float(score_scale), float(scaling), list(staged or []))
+                            float(score_scale), float(scaling), list(staged or []), _sinks(sinks))
 
 
-def attend_rows(qg: torch.Tensor, calls: list[tuple], scaling: float) -> torch.Tensor:
+def _sinks(sinks: torch.Tensor | None) -> torch.Tensor:
+    return _NO_SINKS if sinks is None else sinks.detach().to(torch.float32).contiguous()
+
+
+_NO_SINKS = torch.empty(0)
+
+
+def attend_rows(qg: torch.Tensor, calls: list[tuple], scaling: float, sinks: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """Many one-row caches in one call (a continuous-batching step): row ``i`` does what :func:`attend` does for it
     alone with ``calls[i]``.
 
@@ -184,6 +194,7 @@ def attend_rows(qg: torch.Tensor, calls: list[tuple], scaling: float) -> torch.T
         calls: per row ``(ks, vs, biases, poss, scores, score_scale)``, :func:`attend`'s arguments for that row
             (batch 1: K/V (1, H, C_r, D), one dtype for every row; ``scores`` None or one accumulator per region).
             No region is staged (streamed tiers are attended by :func:`attend`, which times the staging per call).
+        sinks: (H * g,) the layer's sink logits (one model layer: the same for every row), or None.
     Returns:
         (R, H, g, D) in ``qg``'s dtype: row ``i`` bit for bit what :func:`attend` gives it alone, and each row's
         scores added in the same order; one parallel loop over every (row, kv-head) pair.
@@ -195,7 +206,8 @@ def attend_rows(qg: torch.Tensor, calls: list[tuple], scaling: float) -> torch.T
         qg = qg.to(torch.float32)
     ks, vs, biases, poss, scores, scales = zip(*calls)
     return mod.fused_decode_rows(qg.contiguous(), list(ks), list(vs), list(biases), list(poss),
-                                 [s or [] for s in scores], [float(x) for x in scales], float(scaling))
+                                 [s or [] for s in scores], [float(x) for x in scales], float(scaling),
+                                 _sinks(sinks))
 
 
 def append_rows(k: torch.Tensor, v: torch.Tensor, idx: list[int], dst_ks: list[torch.Tensor],

@@ -33,24 +33,24 @@ def attend_full(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: 
     The query heads of one KV head attend as one group: ``query`` (B, Hq, 1, D) is viewed as (B, H_kv, Hq/H_kv,
     D) — Hq/H_kv "query positions" per KV head, nothing causal between them — rather than passing
     ``enable_gqa``, which on CPU falls off SDPA's fused kernel (2-3x slower at 2K-8K tokens, measured). With
-    ``sinks`` (Hq,): the eager partial of the buffer merged with the sinks' partial (SDPA and the kernel have none)."""
+    ``sinks`` (Hq,): the kernel with its sink logits, or the eager partial merged with the sinks' (SDPA has none)."""
     st = layer.state
     n = st.n_total
     B, Hq, _, D = query.shape
     H = layer.tail_k.shape[1]
-    if sinks is not None:
-        bias, _ = st.device_view(0, layer.tail_k.shape[2])
-        qg = query.reshape(B, H, Hq // H, D).contiguous()
-        out, _ = merge([partial(qg, layer.dev_k, layer.dev_v, bias, scaling, False),
-                        sink_partial(sinks, B, H, Hq // H, D)])
-        return out.to(query.dtype).reshape(B, Hq, 1, D)
     if st.fused:
         # the whole buffer with its closed columns (-inf, never read) rather than a slice: the mask and
         # positions are rebuilt only when the buffer grows, and one column opens per step
         bias, pos = st.device_view(0, layer.tail_k.shape[2])
         out = fused_cpu.attend(query.reshape(B, H, Hq // H, D), [layer.dev_k], [layer.dev_v], [bias], [pos], None,
-                               0.0, scaling)
+                               0.0, scaling, sinks=sinks)
         return out.reshape(B, Hq, 1, D)
+    if sinks is not None:  # SDPA has no sink: the eager partial of the buffer, merged with the sinks'
+        bias, _ = st.device_view(0, layer.tail_k.shape[2])
+        qg = query.reshape(B, H, Hq // H, D).contiguous()
+        out, _ = merge([partial(qg, layer.dev_k, layer.dev_v, bias, scaling, False),
+                        sink_partial(sinks, B, H, Hq // H, D)])
+        return out.to(query.dtype).reshape(B, Hq, 1, D)
     mask = st.valid_dev[:, :n].view(st.batch, 1, 1, n) if st.padded else None
     out = F.scaled_dot_product_attention(query.reshape(B, H, Hq // H, D), layer.tail_k[:, :, :n], layer.tail_v[:, :, :n],
                                          attn_mask=mask, scale=scaling)
@@ -60,7 +60,7 @@ def attend_full(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: 
 def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """Each region attended where it lives, merged by log-sum-exp; scores from the merged weights. ``sinks``
-    (Hq,): one more partial in the merge (a logit, no value), on the eager path (the kernel has no sink)."""
+    (Hq,): one more partial in the merge (a logit, no value); the kernel takes them as one more logit."""
     st = layer.state
     lay = st.layout
     B, Hq, _, D = query.shape
@@ -70,8 +70,8 @@ def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks:
     meta = st.meta()
     inv = st.inv_heads_layers
     host_tiers = [x for x in (T1, T2) if lay.tiers[x].count]
-    if st.fused and sinks is None:
-        return attend_fused(layer, qg, host_tiers, meta, scaling, inv).to(query.dtype)
+    if st.fused:
+        return attend_fused(layer, qg, host_tiers, meta, scaling, inv, sinks).to(query.dtype)
     # rows [0, r) stream their host tiers to the device, rows [r, B) attend them on the host ("both" when
     # 0 < r < B): each row's host tiers give one partial either way, and the two row blocks make one
     r = st.stream_rows
@@ -109,8 +109,8 @@ def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks:
     return out.to(query.dtype)
 
 
-def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], meta: dict, scaling: float, inv: float
-                  ) -> torch.Tensor:
+def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], meta: dict, scaling: float, inv: float,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The same step as the eager split path in one kernel call (CPU): T0 and the tail, then T1 and deq T2
     (host buffers or their staged copies), one softmax, scores added to the accumulator each region's tokens
     belong to (the host one for host-attended tiers). Returns (B, H, g, D) float32."""
@@ -119,7 +119,7 @@ def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], me
     # whole and dequantised on the device as on the eager path
     kernel_stages = T1 in host_tiers and not st.host_attn and not st.t1_on_device
     ks, vs, biases, poss, scores, staged = kernel_regions(layer, host_tiers, meta, qg.dtype, kernel_stages)
-    out = fused_cpu.attend(qg, ks, vs, biases, poss, scores, inv, scaling, staged)
+    out = fused_cpu.attend(qg, ks, vs, biases, poss, scores, inv, scaling, staged, sinks)
     if kernel_stages:
         t1 = layer._host_tensors(tiers=(T1,))
         B, H, cap, D = layer.k1.shape

@@ -108,7 +108,7 @@ class RowsLayer(KVTierLayer):
         Hq, D = query.shape[1], query.shape[3]
         together, calls = [], []
         for i, (row, (_, n)) in enumerate(zip(self.rows, spans)):
-            call = row.fused_region(Hq, query.dtype) if n == 1 and sinks is None else None
+            call = row.fused_region(Hq, query.dtype) if n == 1 else None
             if call is not None:
                 together.append(i)
                 calls.append(call)
@@ -120,7 +120,7 @@ class RowsLayer(KVTierLayer):
             else:
                 at = torch.tensor([spans[i][0] for i in together], device=query.device)
                 q = query[0].index_select(1, at).transpose(0, 1) if packed else query[:, :, 0].index_select(0, at)
-            o = fused_cpu.attend_rows(q.reshape(R, H, Hq // H, D), calls, scaling).view(R, 1, Hq, D)
+            o = fused_cpu.attend_rows(q.reshape(R, H, Hq // H, D), calls, scaling, sinks).view(R, 1, Hq, D)
             if R == len(self.rows):
                 return (o.view(1, R, Hq, D) if packed else o), None
             done = {i: o[j : j + 1] for j, i in enumerate(together)}  # (1, 1, Hq, D) each

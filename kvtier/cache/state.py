@@ -74,7 +74,7 @@ class TierState:
         self.kernel = kernel
         self.fused = False  # this cache's split decode runs the fused CPU kernel (decided at the first update)
         self._kernel_ok = False  # the kernel could take its step (decided at the first update): rows_fused
-        self.model_sinks = False  # the model has attention sinks (set by make_cache): every step eager
+        self.model_sinks = False  # the model has attention sinks (set by make_cache): SDPA cannot take full's step
         self.host: HostAttention | None = None
         self.bandwidth: dict[str, float] | None = None
         # rows that stream their host tiers, in place of the per-layout choice (tests and tuning; eager path only:
@@ -161,7 +161,7 @@ class TierState:
         if why is not None and self.kernel == "fused":
             raise ValueError(f"kernel='fused' is not possible for policy {self.policy!r}: {why}")
         if why is None and not self.retier_enabled and self.kernel == "auto":
-            return not fused_cpu.sdpa_is_faster(k.dtype)
+            return self.model_sinks or not fused_cpu.sdpa_is_faster(k.dtype)
         return why is None
 
     def _kernel_blocker(self, k: torch.Tensor) -> str | None:
@@ -177,8 +177,6 @@ class TierState:
             why = "host_threaded=True runs the host tiers on a worker thread"
         elif not fused_cpu.available():
             why = "it could not be built (see the log)"
-        elif self.model_sinks:
-            why = "the model has attention sinks (the kernel has no sink logit yet; the eager paths merge them)"
         return why
 
     def _grow(self, need: int) -> None:

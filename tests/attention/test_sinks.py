@@ -112,7 +112,8 @@ def test_full_equals_transformers_eager_gpt_oss_over_128_steps(gpt_oss):
         seq, logits = _greedy(gpt_oss, cache)
         assert torch.equal(seq, seq_ref), attention
         assert (logits - log_ref).abs().max().item() <= 2e-5, attention
-        assert cache.stats()["kernel"]["current"] in ("eager", None)  # the kernel has no sink logit
+        # full's step on the kernel (with the sinks as logits; SDPA has none), or the ordered reference
+        assert cache.stats()["kernel"]["current"] == ("fused" if attention == "split" else None)
 
 
 def test_tiered_without_eviction_equals_full_and_eviction_bites_with_sinks(gpt_oss):
@@ -134,11 +135,14 @@ def test_tiered_without_eviction_equals_full_and_eviction_bites_with_sinks(gpt_o
 
 
 @pytest.mark.parametrize("path", [dict(attention="ordered"), dict(t1_attention="host"), dict(t1_attention="stream"),
-                                  dict(policy="full"), dict(policy="h2o", budget_ratio=0.5)])
+                                  dict(t1_attention="host", kernel="eager"), dict(t1_attention="stream", kernel="eager"),
+                                  dict(policy="full"), dict(policy="full", kernel="eager"),
+                                  dict(policy="h2o", budget_ratio=0.5)])
 def test_large_sinks_are_followed_on_every_path(gpt_oss, path):
     """Acceptance 2: with every sink raised to +12 the model's outputs change (the sinks take most of the weight),
-    and each path — ordered, split with T1 on the host, split streamed, full, a head-wise baseline — follows
-    transformers' eager attention there, not the model without sinks."""
+    and each path — ordered, split with T1 on the host or streamed (the fused kernel, and eager), full (kernel and
+    eager merge), a head-wise baseline — follows transformers' eager attention there, not the model without
+    sinks."""
     model = copy.deepcopy(gpt_oss)
     with torch.no_grad():
         for m in model.modules():
@@ -159,6 +163,30 @@ def test_large_sinks_are_followed_on_every_path(gpt_oss, path):
         assert torch.equal(seq, seq_ref) and (logits - log_ref).abs().max().item() <= 1e-5
 
 
-def test_the_kernel_is_refused_by_name_for_a_model_with_sinks(gpt_oss):
-    with pytest.raises(ValueError, match="attention sinks"):
-        _greedy(gpt_oss, kvtier.make_cache("tiered", gpt_oss, kernel="fused", hbm_ratio=0.3), steps=2)
+def test_the_kernel_takes_the_sinks_as_logits():
+    """fused_cpu.attend / attend_rows with sinks = the eager regions merged with the sinks' partial (float64), small
+    and dominant sinks, bf16 and float32 K/V; the rows entry gives each row what it gets alone."""
+    from kvtier.attention import fused_cpu
+
+    if not fused_cpu.available():
+        pytest.skip("the fused CPU kernel is not built here")
+    g_ = torch.Generator().manual_seed(5)
+    B, H, g, D, C = 3, 2, 7, 64, 70
+    for dtype in (torch.float32, torch.bfloat16):
+        for scale in (0.0, 2.0, 30.0):
+            qg = torch.randn(B, H, g, D, generator=g_).to(dtype).float()
+            k = torch.randn(B, H, C, D, generator=g_).to(dtype)
+            v = torch.randn(B, H, C, D, generator=g_).to(dtype)
+            valid = torch.rand(B, C, generator=g_) < 0.8
+            sinks = torch.randn(H * g, generator=g_) * scale
+            pos = torch.arange(C).expand(B, C).contiguous()
+            scores = torch.zeros(B, C + 1, dtype=torch.float64)
+            out = fused_cpu.attend(qg, [k], [v], [mask_bias(valid)], [pos], [scores], 1.0, 0.125, sinks=sinks)
+            ref, p_ref = _reference(qg, k.float(), v.float(), valid, 0.125, sinks)
+            assert (out.double() - ref).abs().max().item() <= 2e-6, (dtype, scale)
+            assert (scores[:, :C] - p_ref.sum(dim=(1, 2))).abs().max().item() <= 2e-5, (dtype, scale)
+            rows = fused_cpu.attend_rows(qg, [([k[i : i + 1]], [v[i : i + 1]], [mask_bias(valid[i : i + 1])],
+                                               [pos[i : i + 1]], None, 0.0) for i in range(B)], 0.125, sinks)
+            alone = [fused_cpu.attend(qg[i : i + 1], [k[i : i + 1]], [v[i : i + 1]], [mask_bias(valid[i : i + 1])],
+                                      [pos[i : i + 1]], None, 0.0, 0.125, sinks=sinks) for i in range(B)]
+            assert torch.equal(rows, torch.cat(alone))

@@ -6,6 +6,8 @@
 // group's query heads is added, summed over kv-heads in a fixed order, to scores[b, pos[b, j]] (float64).
 // Masked columns (bias -inf) never reach the output or the scores: their K/V may be stale or uninitialised (a K
 // slot inside a block of 4 is read and its logit replaced by -inf; a masked V slot is never read).
+// Attention sinks (gpt-oss): an optional logit per query head that joins the softmax's maximum and denominator and
+// brings no value (the eager path's sink_partial).
 // A region marked "staged" is host memory that the step streams (t1_attention="stream"): each (b, h) block of its
 // K, then of its V, is copied into a buffer of the worker thread just before that block is read, and read from
 // there. The same bytes move every step as with a whole-layer staging copy, but the device-side buffer is one
@@ -408,7 +410,7 @@ inline void add_one_value(const float* e, int64_t ld, const float* vr, int64_t g
 template <typename T, typename QO>
 void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const std::vector<Region>& regs,
               int64_t H, int64_t g, int64_t D, int64_t Ctot, float scaling, bool want_scores,
-              std::atomic<int64_t>& call_stage_ns) {
+              std::atomic<int64_t>& call_stage_ns, const float* sinks) {
   thread_local std::vector<float> s_buf, tmp_buf, o_buf, m_buf, l_buf, qf_buf;
   thread_local std::vector<uint16_t> qb_buf;
   thread_local std::vector<float> stage_buf;  // a staged region's block (K, then V): reused, kept between calls
@@ -598,6 +600,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
     for (int64_t gi = 0; gi < g; ++gi) {
       for (int u = 0; u < 4; ++u) m[gi] = m4[gi][u] > m[gi] ? m4[gi][u] : m[gi];
       for (int u = 0; u < 16; ++u) m[gi] = m16[gi][u] > m[gi] ? m16[gi][u] : m[gi];
+      if (sinks) m[gi] = sinks[h * g + gi] > m[gi] ? sinks[h * g + gi] : m[gi];  // the sink's logit competes too
     }
     // pass 2: exp(s - m) in place, sums (a row without any key gets weights 0 and output 0, never NaN)
     for (int64_t gi = 0; gi < g; ++gi) {
@@ -605,6 +608,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       const float mg = m[gi] == kNegInf ? 0.f : m[gi];
       for (int64_t j = 0; j < Ctot; ++j) sg[j] = exp_nonpos(sg[j] - mg);  // no reduction here: vectorises
       l[gi] = sum(sg, Ctot);
+      if (sinks) l[gi] += exp_nonpos(sinks[h * g + gi] - mg);  // a logit with no value: the denominator only
     }
     // pass 3: values, tile by tile of keys and 8 query heads at a time (values_tile); with D not a multiple
     // of 16, key by key. Masked keys are never read (their slots may hold anything).
@@ -656,10 +660,10 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
 
 template <typename T, typename QO>
 void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t g,
-         int64_t D, int64_t Ctot, float scaling, bool want_scores) {
+         int64_t D, int64_t Ctot, float scaling, bool want_scores, const float* sinks) {
   std::atomic<int64_t> call_stage_ns{0};
   at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-    run_rows<T, QO>(begin, end, q, out, w, regs, H, g, D, Ctot, scaling, want_scores, call_stage_ns);
+    run_rows<T, QO>(begin, end, q, out, w, regs, H, g, D, Ctot, scaling, want_scores, call_stage_ns, sinks);
   });
   t_caller_stage_ns += call_stage_ns.load();  // run() executes on the caller's thread
 }
@@ -728,6 +732,14 @@ int64_t build_regions(const std::vector<torch::Tensor>& ks, const std::vector<to
   return Ctot;
 }
 
+// The sinks argument: an empty tensor (none), or one float32 logit per query head (H * g, kv-head major).
+const float* sink_ptr(const torch::Tensor& sinks, int64_t H, int64_t g) {
+  if (!sinks.defined() || sinks.numel() == 0) return nullptr;
+  TORCH_CHECK(sinks.dim() == 1 && sinks.size(0) == H * g && sinks.scalar_type() == at::kFloat && sinks.is_contiguous(),
+              "sinks: (H * g,) float32 contiguous, one logit per query head, or empty");
+  return sinks.data_ptr<float>();
+}
+
 // Calls f(kv_tag, q_ptr, out_ptr) with the K/V element type (a value of it: float{} or bf16{}) and q's and the
 // output's pointers typed as they are: the four (K/V, query) dtype pairs the kernel is built for.
 template <typename F>
@@ -754,7 +766,7 @@ void by_dtypes(at::ScalarType kv_type, torch::Tensor& q, torch::Tensor& out, F f
 torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::vector<torch::Tensor> vs,
                            std::vector<torch::Tensor> biases, std::vector<torch::Tensor> poss,
                            std::vector<torch::Tensor> scores, double score_scale, double scaling,
-                           std::vector<bool> staged) {
+                           std::vector<bool> staged, torch::Tensor sinks) {
   TORCH_CHECK(q.dim() == 4 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
               "q: (B, H, g, D) float32 or bfloat16 contiguous");
   const int64_t B = q.size(0), H = q.size(1), g = q.size(2), D = q.size(3);
@@ -764,6 +776,7 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
   TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16, "k/v: float32 or bfloat16");
   std::vector<Region> regs;
   const int64_t Ctot = build_regions(ks, vs, biases, poss, scores, staged, B, H, D, kv_type, "region ", regs);
+  const float* sp = sink_ptr(sinks, H, g);
   auto out = torch::empty({B, H, g, D}, q.options());
   // the merged weights (B, H, Ctot): a buffer of the calling thread, kept between calls (no per-step allocation)
   thread_local std::vector<float> w_buf;
@@ -772,7 +785,7 @@ torch::Tensor fused_decode(torch::Tensor q, std::vector<torch::Tensor> ks, std::
   const float sc = static_cast<float>(scaling);
   by_dtypes(kv_type, q, out, [&](auto kv_tag, auto* qp, auto* op) {
     using QO = std::remove_pointer_t<decltype(qp)>;
-    run<decltype(kv_tag), QO>(qp, op, wp, regs, B, H, g, D, Ctot, sc, want_scores);
+    run<decltype(kv_tag), QO>(qp, op, wp, regs, B, H, g, D, Ctot, sc, want_scores, sp);
   });
   if (want_scores) fold_scores(wp, regs, B, H, Ctot, score_scale);
   return out;
@@ -789,7 +802,7 @@ torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<std::vector<torch::
                                 std::vector<std::vector<torch::Tensor>> biases,
                                 std::vector<std::vector<torch::Tensor>> poss,
                                 std::vector<std::vector<torch::Tensor>> scores, std::vector<double> score_scales,
-                                double scaling) {
+                                double scaling, torch::Tensor sinks) {
   TORCH_CHECK(q.dim() == 4 && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) && q.is_contiguous(),
               "q: (R, H, g, D) float32 or bfloat16 contiguous");
   const int64_t R = q.size(0), H = q.size(1), g = q.size(2), D = q.size(3);
@@ -806,6 +819,7 @@ torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<std::vector<torch::
                             "row " + std::to_string(i) + " region ", regs[i]);
     w_off[i + 1] = w_off[i] + (scores[i].empty() ? 0 : H * ctot[i]);
   }
+  const float* sp = sink_ptr(sinks, H, g);  // the same model layer for every row: one set of sinks
   auto out = torch::empty({R, H, g, D}, q.options());
   thread_local std::vector<float> w_buf;  // every row's merged weights (H, Ctot_i), end to end
   w_buf.resize(static_cast<size_t>(w_off[n]));
@@ -820,7 +834,7 @@ torch::Tensor fused_decode_rows(torch::Tensor q, std::vector<std::vector<torch::
         const int64_t i = t / H, h = t % H;
         const bool want = !scores[i].empty();
         run_rows<T, QO>(h, h + 1, qp + i * H * g * D, op + i * H * g * D, want ? wp + w_off[i] : nullptr,
-                        regs[i], H, g, D, ctot[i], sc, want, stage_ns);
+                        regs[i], H, g, D, ctot[i], sc, want, stage_ns, sp);
       }
     });
   });
@@ -929,10 +943,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_decode", &fused_decode, "fused multi-region decode attention with score update (CPU)",
         py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("biases"), py::arg("poss"), py::arg("scores"),
         py::arg("score_scale"), py::arg("scaling"), py::arg("staged") = std::vector<bool>{},
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("sinks") = torch::empty({0}), py::call_guard<py::gil_scoped_release>());
   m.def("fused_decode_rows", &fused_decode_rows, "decode attention of many one-row caches in one call (CPU)",
         py::arg("q"), py::arg("ks"), py::arg("vs"), py::arg("biases"), py::arg("poss"), py::arg("scores"),
-        py::arg("score_scales"), py::arg("scaling"),
+        py::arg("score_scales"), py::arg("scaling"), py::arg("sinks") = torch::empty({0}),
         py::call_guard<py::gil_scoped_release>());
   m.def("append_rows", &append_rows, "write one new token per one-row cache into its buffer (CPU)",
         py::arg("k"), py::arg("v"), py::arg("idx"), py::arg("dst_ks"), py::arg("dst_vs"), py::arg("cols"));
