@@ -155,15 +155,33 @@ HUB_SHAPES = {
 
 
 def preset_config(name: str):
-    """transformers config of a random preset (``tiny-qwen2``, ``qwen2-7b``, ...)."""
+    """transformers config of a random preset (``tiny-qwen2``, ``qwen2-7b``, ...).
+
+    ``<preset>@layers=N``: the preset's first N decoder layers (every layer's shapes as in the model, the layer
+    kinds of a hybrid model in their order), for benchmarking a model too big for the machine's memory layer by
+    layer — ``random:gpt-oss-20b@layers=2`` is one sliding and one full layer of gpt-oss-20b, experts included."""
     from transformers import Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
+    name, _, opts = name.partition("@")
     if name not in PRESETS:
         raise ModelLoadError(f"unknown random preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}")
+    layers = None
+    if opts:
+        key, _, val = opts.partition("=")
+        if key != "layers" or not val.isdigit() or not 1 <= int(val) <= PRESETS[name].config["num_hidden_layers"]:
+            raise ModelLoadError(f"random:{name}@{opts}: the only option is layers=N, N from 1 to "
+                                 f"{PRESETS[name].config['num_hidden_layers']} (the preset's layers)")
+        layers = int(val)
     p = PRESETS[name]
     cls = {"qwen2": Qwen2Config, "llama": LlamaConfig, "mistral": MistralConfig, "qwen3": Qwen3Config,
            "gpt_oss": GptOssConfig, "gemma3": Gemma3TextConfig}[p.arch]
     cfg = dict(p.config)
+    if layers is not None:
+        full = cls(**{k: v for k, v in cfg.items() if k != "rope_theta"})
+        types = getattr(full, "layer_types", None)
+        cfg["num_hidden_layers"] = layers
+        if types:
+            cfg["layer_types"] = list(types[:layers])
     theta = cfg.pop("rope_theta", None)
     config = cls(**cfg)
     if theta is not None:

@@ -118,6 +118,12 @@ def _modes(cfg: BenchConfig) -> list[dict]:
     return out
 
 
+def stock_attention(model) -> str:
+    """transformers' attention the stock rows run: SDPA, or eager for a model without SDPA support (gpt-oss: its
+    sinks); with ``--interleave`` the stock caches go through kvtier's entry point, which does the same."""
+    return "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
+
+
 def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
     out: list[tuple[str, dict]] = []
     if cfg.stock:
@@ -288,11 +294,11 @@ def _bench_model(cfg: BenchConfig, model, linear: str, device: torch.device, war
             for i, (name, params) in enumerate(configs):
                 if name == "stock_sdpa":
                     if not cfg.interleave:
-                        model.set_attn_implementation("sdpa")
+                        model.set_attn_implementation(stock_attention(model))
                     make = lambda: DynamicCache(config=model.config)  # noqa: E731
                 elif name == "stock_static":
                     if not cfg.interleave:
-                        model.set_attn_implementation("sdpa")
+                        model.set_attn_implementation(stock_attention(model))
                     length = cfg.context + warmup + cfg.new_tokens + 1
                     make = lambda n=length: StaticCache(config=model.config, max_cache_len=n)  # noqa: E731
                 else:
