@@ -33,6 +33,25 @@ def test_real_shapes_are_written_out():
     assert cfg.num_hidden_layers * cfg.num_key_value_heads * 128 * 2 * 2 == 327_680
 
 
+def test_a_preset_cut_to_its_first_layers_keeps_their_shapes_and_kinds():
+    """``<preset>@layers=N``: N layers of the model's own shapes, a hybrid model's layer kinds in their order; a
+    bad option names the one that exists and its range; the stock bench rows run eager where SDPA is unsupported."""
+    from kvtier.tools.bench import stock_attention
+
+    whole, cut = models.preset_config("gpt-oss-20b"), models.preset_config("gpt-oss-20b@layers=3")
+    assert cut.num_hidden_layers == 3 and cut.layer_types == whole.layer_types[:3]
+    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "num_local_experts",
+                "vocab_size", "sliding_window"):
+        assert getattr(cut, key) == getattr(whole, key), key
+    assert models.preset_config("qwen2-7b@layers=1").num_hidden_layers == 1
+    for bad in ("gpt-oss-20b@layers=0", "gpt-oss-20b@layers=25", "gpt-oss-20b@depth=2", "qwen2-7b@layers=x"):
+        with pytest.raises(ModelLoadError, match="layers=N"):
+            models.preset_config(bad)
+    model, _ = kvtier.load_model("random:tiny-gpt-oss@layers=2", device="cpu", dtype="fp32")
+    assert len(model.model.layers) == 2 and stock_attention(model) == "eager"
+    assert stock_attention(kvtier.load_model("random:tiny-qwen2", device="cpu", dtype="fp32")[0]) == "sdpa"
+
+
 def _one_line(err: Exception) -> str:
     msg = str(err)
     assert "\n" not in msg
