@@ -13,12 +13,14 @@ has keys), 404 (unknown model), 413 (body over ``--max-body-bytes``), 429 (queue
 from __future__ import annotations
 
 import asyncio
+import collections
 import inspect
 import json
 import logging
 import re
 import time
 import uuid
+import weakref
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal, Optional, Union
@@ -244,6 +246,7 @@ class Server:
         self.created = int(time.time())
         self.counts: dict[tuple[str, int], int] = {}
         self.peak_buffered = 0  # the most deltas any one response had waiting (bounded by --max-stream-buffer)
+        self._outboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> its _Outbox
         self.stream_cuts = 0  # rows cancelled because their client stopped reading
 
     # ---- validation -----------------------------------------------------------------------------------
@@ -358,8 +361,12 @@ class Server:
             q.put_nowait(ev)
             self.peak_buffered = max(self.peak_buffered, q.qsize())
 
-        def sink(ev, loop=loop):
-            loop.call_soon_threadsafe(put, ev)
+        box = self._outboxes.get(loop)
+        if box is None:
+            box = self._outboxes[loop] = _Outbox(loop)
+
+        def sink(ev, box=box):  # on the engine thread
+            box.send(put, ev)
 
         req.sink = sink
         try:
@@ -373,6 +380,32 @@ class Server:
             raise APIError(400, str(e), "max_tokens" if self.engine.cfg.on_pressure == "queue" else "messages",
                            "invalid_request_error") from None
         return q
+
+
+class _Outbox:
+    """Events from the engine thread on their way to one event loop, which is woken once per batch of them (a
+    step's tokens for 32 clients: one wake-up, not 32), each handed to its response's queue in the order sent."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.items: collections.deque = collections.deque()
+        self.scheduled = False
+
+    def send(self, put, ev) -> None:  # on the engine thread
+        self.items.append((put, ev))
+        if not self.scheduled:  # read after the append: a drain that has begun will take the event
+            self.scheduled = True
+            try:
+                self.loop.call_soon_threadsafe(self.drain)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                self.scheduled = False
+                self.items.clear()
+
+    def drain(self) -> None:  # on the event loop
+        self.scheduled = False  # before taking: an event appended from now on schedules another drain
+        while self.items:
+            put, ev = self.items.popleft()
+            put(ev)
 
 
 class _BodyTooLarge(HTTPException):
