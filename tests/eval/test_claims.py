@@ -36,7 +36,7 @@ def test_verdicts_follow_their_rules():
     assert rows["C2 tiering holds on gsm8k"]["verdict"] == "reproduced"
     assert rows["C2 tiering holds on math500"]["verdict"] == "not testable here"  # no MATH-500 records
     c3 = rows["C3 HBM independence"]
-    assert c3["verdict"] == "reproduced (bitwise)" and "40/40 completions identical" in c3["kvtier"]
+    assert c3["verdict"] == "holds by construction" and "40/40 completions identical" in c3["kvtier"]
     assert c3["data"]["evict_spread"] == pytest.approx(5 / 40)
     assert rows["C4 precision sensitivity"]["verdict"] == "reproduced"
     assert rows["Baselines at equal device memory (hbm 0.3, prompt unprotected)"]["verdict"] == "reproduced"
@@ -68,6 +68,28 @@ def test_verdicts_can_go_the_other_way():
     assert rows["C3 HBM independence"]["verdict"] == "not reproduced"
     assert rows["C4 precision sensitivity"]["verdict"] == "not reproduced"
     assert rows["Baselines at equal device memory (hbm 0.3, prompt unprotected)"]["verdict"] == "not reproduced"
+
+
+def test_middle_cases_use_the_fixed_vocabulary():
+    """A drop that is significant but not a cliff is "not reproduced" (the rule says so); a retention below the
+    paper's that this n cannot tell from full, and an int8 loss that is large but not significant, are "not
+    testable here" with the reason; every verdict is one of VERDICTS."""
+    from kvtier.eval.claims import VERDICTS
+
+    right = set(range(20))
+    recs = _cfg("full", correct=right)
+    recs += _cfg("evict", correct=set(range(10)), evict_ratio=0.5)  # 20 -> 10: significant, retention 50%
+    recs += _cfg("tiered", correct=set(range(17)), hbm_ratio=0.3, evict_ratio=0.03)  # 85% < 91%, p >= 0.05
+    recs += _cfg("tiered", correct=right, hbm_ratio=0.3, evict_ratio=0.05)
+    recs += _cfg("quant", correct=set(range(15)), hbm_ratio=0.3, evict_ratio=0.05)  # -12.5 points, p = 0.0625
+    rows = {r["claim"].split(":")[0]: r for r in evaluate(recs)}
+    c1 = rows["C1 eviction cliff on gsm8k"]
+    assert c1["verdict"] == "not reproduced" and "not the cliff" in c1["rule"]
+    c2 = rows["C2 tiering holds on gsm8k"]
+    assert c2["verdict"] == "not testable here" and "at this n" in c2["rule"]
+    c4 = rows["C4 precision sensitivity"]
+    assert c4["verdict"] == "not testable here" and "cannot tell" in c4["rule"]
+    assert all(r["verdict"] in VERDICTS for r in rows.values())
 
 
 def test_paired_uses_shared_problems_only_and_chain_lengths():
