@@ -255,6 +255,23 @@ def packed_count(model: nn.Module) -> int:
     return sum(isinstance(m, (PackedLinear, FusedLinear)) for m in model.modules())
 
 
+def expert_weights(model: nn.Module) -> tuple[int, int, int]:
+    """A mixture of experts' routed weights: ``(bytes, experts, experts per token)`` — the parameters under a module
+    named ``experts`` whose first dimension is the expert count (gpt-oss's stacked expert matrices and biases, or
+    one module per expert); ``(0, 0, 0)`` for a dense model."""
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    e = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or 0
+    k = getattr(cfg, "num_experts_per_tok", None) or 0
+    if not e or not k:
+        return 0, 0, 0
+    total = 0
+    for name, p in model.named_parameters():
+        parts = name.split(".")
+        if "experts" in parts[:-1] and (p.dim() >= 1 and p.shape[0] == e or parts[parts.index("experts") + 1].isdigit()):
+            total += p.numel() * p.element_size()
+    return total, int(e), int(k)
+
+
 def step_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights one decode step reads: every linear's weight and bias (packed or not) and every other
     parameter except embedding tables, of which a step reads a few rows (a table tied to the output head is read

@@ -22,7 +22,7 @@ import torch
 
 from ..compat import cache_kw
 from ..models import load_model, resolve_device
-from ..step import packed_count, step_weight_bytes
+from ..step import expert_weights, packed_count, step_weight_bytes
 from ..step.cpu import cpu_isa
 from ..transfer import memcpy_peak_gbps, seam_for
 
@@ -263,7 +263,9 @@ def run_bench(cfg: BenchConfig, on_progress: Callable[[str], None] | None = None
     for linear in cfg.linears:
         model, _ = load_model(cfg.model, device=str(device), dtype=cfg.dtype, seed=cfg.seed, linear=linear)
         if "step_weight_bytes" not in floors:
-            floors.update(step_weight_bytes=step_weight_bytes(model), weight_itemsize=model.dtype.itemsize)
+            eb, ne, nk = expert_weights(model)
+            floors.update(step_weight_bytes=step_weight_bytes(model), weight_itemsize=model.dtype.itemsize,
+                          expert_weight_bytes=eb, experts=ne, experts_per_token=nk)
         # the GEMM peak as the fastest mode runs it: the floor is one number for every mode
         floors["gemm_peak_gflops"] = max(floors.get("gemm_peak_gflops", 0.0), gemm_peak_gflops(model, device))
         _bench_model(cfg, model, linear, device, warmup, peak, floors, rows, on_progress, on_rows)
@@ -375,11 +377,20 @@ def _bench_model(cfg: BenchConfig, model, linear: str, device: torch.device, war
 
 
 def step_floor(floors: dict, batch: int) -> dict:
-    """The fastest a decode step of ``batch`` rows could be on this machine: every weight read once at the measured
-    read bandwidth, or every multiply-add done at the measured GEMM peak, whichever takes longer (ms)."""
-    read_ms = 1e3 * floors["step_weight_bytes"] / (floors["read_peak_gbps"] * 1e9)
+    """The fastest a decode step of ``batch`` rows could be on this machine: every weight it needs read once at the
+    measured read bandwidth, or every multiply-add done at the measured GEMM peak, whichever takes longer (ms). A
+    mixture of experts needs only the experts its rows route to: ``E * (1 - (1 - k/E)^batch)`` of them read in
+    expectation (uniform routing, as ``kvtier plan`` counts), and ``k`` of them multiplied per row."""
+    w = floors["step_weight_bytes"]
+    e, k, ew = floors.get("experts") or 0, floors.get("experts_per_token") or 0, floors.get("expert_weight_bytes") or 0
+    read_bytes, mac_bytes = w, w
+    if e and k and ew:
+        touched = e * (1 - (1 - k / e) ** batch)
+        read_bytes = w - ew * (1 - touched / e)
+        mac_bytes = w - ew * (1 - k / e)
+    read_ms = 1e3 * read_bytes / (floors["read_peak_gbps"] * 1e9)
     itemsize = floors.get("weight_itemsize", 2)
-    flops = 2 * batch * floors["step_weight_bytes"] / itemsize
+    flops = 2 * batch * mac_bytes / itemsize
     gemm_ms = 1e3 * flops / (floors["gemm_peak_gflops"] * 1e9) if floors.get("gemm_peak_gflops") else 0.0
     return {"floor_ms": max(read_ms, gemm_ms), "floor_kind": "bandwidth" if read_ms >= gemm_ms else "matmul"}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from kvtier.cli import app
@@ -81,3 +82,29 @@ def test_bench_times_fused_and_eager_side_by_side(tmp_path):
     assert fulls == [({}, "fused"), ({"kernel": "eager"}, "eager")]  # full's default, and SDPA beside it
     bad = runner.invoke(app, ["bench", "--model", "random:tiny-qwen2", "--kernel", "fast", "--device", "cpu"])
     assert bad.exit_code != 0 and "--kernel values must be among" in bad.output
+
+
+def test_the_floor_of_a_mixture_of_experts_counts_routed_experts():
+    """gpt-oss: the expert weights are found (stacked matrices and biases under ``experts``), and the step's floor
+    reads only the experts a batch routes to in expectation (E (1 - (1 - k/E)^B)), multiplying k per row; a dense
+    model's floor is every weight."""
+    from kvtier.models import random_model
+    from kvtier.step import expert_weights, step_weight_bytes
+    from kvtier.tools.bench import step_floor
+
+    moe = random_model("tiny-gpt-oss")
+    eb, e, k = expert_weights(moe)
+    experts = sum(p.numel() * p.element_size() for n, p in moe.named_parameters() if ".experts." in n)
+    assert (eb, e, k) == (experts, 4, 2) and 0 < eb < step_weight_bytes(moe)
+    assert expert_weights(random_model("tiny-qwen2")) == (0, 0, 0)
+    w = step_weight_bytes(moe)
+    floors = dict(step_weight_bytes=w, read_peak_gbps=1.0, weight_itemsize=4, expert_weight_bytes=eb, experts=e,
+                  experts_per_token=k)
+    for batch in (1, 2, 64):
+        touched = e * (1 - (1 - k / e) ** batch)
+        want = 1e3 * (w - eb * (1 - touched / e)) / 1e9
+        assert step_floor(floors, batch) == {"floor_ms": pytest.approx(want), "floor_kind": "bandwidth"}
+    dense = dict(floors, expert_weight_bytes=0, experts=0, experts_per_token=0)
+    assert step_floor(dense, 1)["floor_ms"] == pytest.approx(1e3 * w / 1e9)
+    floors["gemm_peak_gflops"] = 1e-6  # matmul-bound: k of E experts multiplied per row
+    assert step_floor(floors, 3)["floor_ms"] == pytest.approx(1e3 * 2 * 3 * (w - eb * (1 - k / e)) / 4 / 1e3)
