@@ -146,7 +146,9 @@ def test_embedded_model_loads_verifies_and_generates(tmp_path_factory, monkeypat
 def test_the_1p5b_model_loads_offline_verified_and_tiered_at_evict_0_gives_full_s_tokens():
     """The second model scale: Qwen2.5-Coder-1.5B-Instruct (Q4_K_M GGUF from 22 data packages) loads by name,
     offline, its sha256 checked; 28 layers; on one problem a tiered cache that evicts nothing gives the greedy
-    tokens of ``full`` (the ordered path: bit for bit; the default split path: the same tokens here)."""
+    tokens of ``full`` — bit for bit on the ordered path; on the default split path (the kernel sums T0 and T1 in
+    another order) the same tokens up to the first step where full's top two logits are within bf16 rounding of
+    each other (measured 2026-12-04: a flip at step 45 of 48, once the kernel's logits went through AMX tiles)."""
     name = "qwen2.5-coder-1.5b-instruct"
     gguf = models.embedded_gguf(name=name)
     assert models.sha256_file(gguf) == models.OFFLINE_MODELS[name].sha256
@@ -156,14 +158,21 @@ def test_the_1p5b_model_loads_offline_verified_and_tiered_at_evict_0_gives_full_
     question = "A baker makes 12 muffins per tray and bakes 3 trays. He sells 20 muffins. How many are left?"
     enc = tok([models.chat_prompt(tok, question)], return_tensors="pt")
 
-    def tokens(policy, **params):
+    def tokens(policy, logits=False, **params):
         cache = kvtier.make_cache(policy, model, **params)
-        out = model.generate(**enc, **cache_kw(model, cache), max_new_tokens=48, do_sample=False)
-        return out[0, enc.input_ids.shape[1]:].tolist()
+        out = model.generate(**enc, **cache_kw(model, cache), max_new_tokens=48, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+        seq = out.sequences[0, enc.input_ids.shape[1]:].tolist()
+        return (seq, torch.stack(out.logits)[:, 0].float()) if logits else seq
 
-    full = tokens("full")
+    full, full_logits = tokens("full", logits=True)
     assert len(tok.decode(full, skip_special_tokens=True).split()) >= 5
-    assert tokens("tiered", hbm_ratio=0.3, evict_ratio=0.0, retier_interval=8, recent_window=8) == full
+    split = tokens("tiered", hbm_ratio=0.3, evict_ratio=0.0, retier_interval=8, recent_window=8)
+    same = next((i for i, (a, b) in enumerate(zip(split, full)) if a != b), len(full))
+    if same < len(full):  # a flip only where full itself nearly ties: two logits within a few bf16 units (~0.125)
+        top2 = torch.topk(full_logits[same], 2).values
+        print(f"split path: first difference at step {same}, full's top-2 gap there {top2[0] - top2[1]:.3f}")
+        assert same >= 16 and (top2[0] - top2[1]).item() <= 0.25
     assert (tokens("tiered", hbm_ratio=0.3, evict_ratio=0.0, retier_interval=8, recent_window=8, attention="ordered")
             == tokens("full", attention="ordered"))
 
