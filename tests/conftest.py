@@ -90,6 +90,15 @@ def padded_batch(lengths, total, seed=0):
     return ids, mask
 
 
+def padded_greedy(model, cache, steps=128):
+    """Greedy generation of a fixed left-padded batch of 3 (20, 13 and 7 real tokens) through ``cache``, ``steps``
+    tokens each: (sequences, logits (steps, 3, V))."""
+    ids, mask = padded_batch([20, 13, 7], 20, seed=4)
+    out = model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=steps,
+                         do_sample=False, output_logits=True, return_dict_in_generate=True, min_new_tokens=steps)
+    return out.sequences, torch.stack(out.logits)
+
+
 def generate(model, policy, ids, new_tokens=64, attention_mask=None, **params):
     """Greedy generation through a kvtier cache; returns (sequences, logits (steps, B, V), cache)."""
     cache = kvtier.make_cache(policy, model, **params)

@@ -1,5 +1,6 @@
 """Attention sinks (gpt-oss): a learned logit per query head in every softmax, as one more partial in the merge
-(kvtier/attention/merge.py), on every path, against float64 math and transformers' own eager attention."""
+(kvtier/attention/merge.py), on every path, against float64 math and transformers' own eager attention.
+Proposition 1 on gpt-oss (tiered without eviction = full) is in tests/cache/test_hybrid.py."""
 
 from __future__ import annotations
 
@@ -7,12 +8,11 @@ import copy
 
 import pytest
 import torch
-from conftest import padded_batch
+from conftest import padded_greedy
 from transformers import DynamicCache
 
 import kvtier
 from kvtier.attention.merge import dense, mask_bias, merge, ordered, partial, sink_partial
-from kvtier.compat import cache_kw
 from kvtier.models import random_model
 
 BITE = dict(retier_interval=8, recent_window=4, sink_tokens=1, protect_prompt=False)  # tiers and eviction bite
@@ -87,18 +87,11 @@ def gpt_oss():
     return random_model("tiny-gpt-oss", dtype=torch.float32)  # 4 layers, sliding (window 8) and full alternating
 
 
-def _greedy(model, cache, steps=128):
-    ids, mask = padded_batch([20, 13, 7], 20, seed=4)
-    out = model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=steps,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True, min_new_tokens=steps)
-    return out.sequences, torch.stack(out.logits)
-
-
 def _eager_reference(model, steps=128):
     """transformers' own: the gpt-oss eager attention (its sinks) over DynamicCache."""
     ref = copy.deepcopy(model)
     ref.set_attn_implementation("eager")
-    return _greedy(ref, DynamicCache(config=ref.config), steps)
+    return padded_greedy(ref, DynamicCache(config=ref.config), steps)
 
 
 def test_full_equals_transformers_eager_gpt_oss_over_128_steps(gpt_oss):
@@ -109,29 +102,11 @@ def test_full_equals_transformers_eager_gpt_oss_over_128_steps(gpt_oss):
     seq_ref, log_ref = _eager_reference(gpt_oss)
     for attention in ("split", "ordered"):
         cache = kvtier.make_cache("full", gpt_oss, attention=attention)
-        seq, logits = _greedy(gpt_oss, cache)
+        seq, logits = padded_greedy(gpt_oss, cache)
         assert torch.equal(seq, seq_ref), attention
         assert (logits - log_ref).abs().max().item() <= 2e-5, attention
         # full's step on the kernel (with the sinks as logits; SDPA has none), or the ordered reference
         assert cache.stats()["kernel"]["current"] == ("fused" if attention == "split" else None)
-
-
-def test_tiered_without_eviction_equals_full_and_eviction_bites_with_sinks(gpt_oss):
-    """Proposition 1 with sinks: tiered (T0 30%, the rest in T1, attended on the host or streamed) gives full's
-    tokens — bit for bit on the ordered path; evicting half the chain changes the logits."""
-    seq_full, log_full = _greedy(gpt_oss, kvtier.make_cache("full", gpt_oss))
-    for t1 in ("host", "stream"):
-        cache = kvtier.make_cache("tiered", gpt_oss, hbm_ratio=0.3, evict_ratio=0.0, t1_attention=t1, **BITE)
-        seq, logits = _greedy(gpt_oss, cache)
-        assert cache.stats()["tokens"]["T1"] > 0 and cache.stats()["retiers"] > 0
-        assert torch.equal(seq, seq_full) and (logits - log_full).abs().max().item() <= 1e-5, t1
-    seq_o, log_o = _greedy(gpt_oss, kvtier.make_cache("tiered", gpt_oss, hbm_ratio=0.3, evict_ratio=0.0,
-                                                      attention="ordered", **BITE))
-    seq_fo, log_fo = _greedy(gpt_oss, kvtier.make_cache("full", gpt_oss, attention="ordered"))
-    assert torch.equal(seq_o, seq_fo) and torch.equal(log_o, log_fo)
-    evicted = kvtier.make_cache("evict", gpt_oss, evict_ratio=0.5, **BITE)
-    _, log_e = _greedy(gpt_oss, evicted)
-    assert evicted.stats()["tokens"]["T3"] > 0 and (log_e - log_full).abs().max().item() > 1e-2
 
 
 @pytest.mark.parametrize("path", [dict(attention="ordered"), dict(t1_attention="host"), dict(t1_attention="stream"),
@@ -156,7 +131,7 @@ def test_large_sinks_are_followed_on_every_path(gpt_oss, path):
     policy = params.pop("policy", "tiered")
     if policy == "tiered":
         params = dict(hbm_ratio=0.3, evict_ratio=0.0, **BITE, **params)
-    seq, logits = _greedy(model, kvtier.make_cache(policy, model, **params), steps)
+    seq, logits = padded_greedy(model, kvtier.make_cache(policy, model, **params), steps)
     if policy == "h2o":  # eviction: its own outputs, but the prefill step (nothing evicted yet) is eager's
         assert (logits[0] - log_ref[0]).abs().max().item() <= 1e-5
     else:

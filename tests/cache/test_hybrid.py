@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import decode_loop, padded_batch
+from conftest import decode_loop, padded_batch, padded_greedy
 from transformers import DynamicCache
 
 import kvtier
-from kvtier.compat import cache_kw
 from kvtier.models import random_model
 
 BITE = dict(retier_interval=8, recent_window=4, sink_tokens=1, protect_prompt=False)  # tiers and eviction bite
@@ -20,39 +19,36 @@ def gemma3():
     return random_model("tiny-gemma3", dtype=torch.float32)  # 5 sliding layers (window 8), then 1 full
 
 
-def _greedy(model, cache, steps=128):
-    ids, mask = padded_batch([20, 13, 7], 20, seed=4)
-    out = model.generate(input_ids=ids, attention_mask=mask, **cache_kw(model, cache), max_new_tokens=steps,
-                         do_sample=False, output_logits=True, return_dict_in_generate=True, min_new_tokens=steps)
-    return out.sequences, torch.stack(out.logits)
-
-
 def test_full_equals_transformers_own_cache_over_128_steps(gemma3):
     """Acceptance 1: ``full`` gives DynamicCache's tokens over 128 greedy steps of a left-padded batch, far past the
     8-token window; logits within the split path's rounding (its full layer sums in another order), and the
     ordered path too."""
-    seq_ref, log_ref = _greedy(gemma3, DynamicCache(config=gemma3.config))
+    seq_ref, log_ref = padded_greedy(gemma3, DynamicCache(config=gemma3.config))
     for attention in ("split", "ordered"):
-        seq, logits = _greedy(gemma3, kvtier.make_cache("full", gemma3, attention=attention))
+        seq, logits = padded_greedy(gemma3, kvtier.make_cache("full", gemma3, attention=attention))
         assert torch.equal(seq, seq_ref), attention
         assert (logits - log_ref).abs().max().item() <= 1e-5, attention
 
 
-def test_tiered_without_eviction_equals_full_and_eviction_bites(gemma3):
-    """Proposition 1 on a hybrid model: tiered (T0 30%, the rest in T1) gives full's tokens — bit for bit on the
-    ordered path; evicting half the chain changes the outputs."""
-    seq_full, log_full = _greedy(gemma3, kvtier.make_cache("full", gemma3))
-    cache = kvtier.make_cache("tiered", gemma3, hbm_ratio=0.3, evict_ratio=0.0, **BITE)
-    seq, logits = _greedy(gemma3, cache)
-    assert cache.stats()["tokens"]["T1"] > 0 and cache.stats()["retiers"] > 0
-    assert torch.equal(seq, seq_full) and (logits - log_full).abs().max().item() <= 1e-5
-    seq_o, log_o = _greedy(gemma3, kvtier.make_cache("tiered", gemma3, hbm_ratio=0.3, evict_ratio=0.0,
-                                                     attention="ordered", **BITE))
-    seq_fo, log_fo = _greedy(gemma3, kvtier.make_cache("full", gemma3, attention="ordered"))
+@pytest.mark.parametrize("preset", ["tiny-gemma3", "tiny-gpt-oss"])  # gpt-oss: sinks and experts too
+def test_tiered_without_eviction_equals_full_and_eviction_bites(preset):
+    """Proposition 1 on a hybrid model: tiered (T0 30%, the rest in T1 attended on the host or streamed) gives full's
+    tokens — bit for bit on the ordered path; evicting half the chain changes the outputs."""
+    model = random_model(preset, dtype=torch.float32)
+    seq_full, log_full = padded_greedy(model, kvtier.make_cache("full", model))
+    for t1 in ("host", "stream"):
+        cache = kvtier.make_cache("tiered", model, hbm_ratio=0.3, evict_ratio=0.0, t1_attention=t1, **BITE)
+        seq, logits = padded_greedy(model, cache)
+        assert cache.stats()["tokens"]["T1"] > 0 and cache.stats()["retiers"] > 0
+        assert torch.equal(seq, seq_full) and (logits - log_full).abs().max().item() <= 1e-5, t1
+    ordered = dict(attention="ordered")
+    seq_o, log_o = padded_greedy(model, kvtier.make_cache("tiered", model, hbm_ratio=0.3, evict_ratio=0.0,
+                                                          **ordered, **BITE))
+    seq_fo, log_fo = padded_greedy(model, kvtier.make_cache("full", model, **ordered))
     assert torch.equal(seq_o, seq_fo) and torch.equal(log_o, log_fo)
-    evicted = kvtier.make_cache("evict", gemma3, evict_ratio=0.5, **BITE)
-    _, log_e = _greedy(gemma3, evicted)
-    # the random model settles into repeating one token, so its greedy tokens may not show it; its logits do
+    evicted = kvtier.make_cache("evict", model, evict_ratio=0.5, **BITE)
+    _, log_e = padded_greedy(model, evicted)
+    # a random model settles into repeating one token, so its greedy tokens may not show it; its logits do
     assert evicted.stats()["tokens"]["T3"] > 0 and (log_e - log_full).abs().max().item() > 1e-2
 
 
@@ -78,7 +74,7 @@ def test_sliding_layers_keep_their_window_and_the_tiers_hold_the_full_layers(gem
 @pytest.mark.parametrize("policy, params", [("h2o", dict(budget_ratio=0.5)), ("streaming_llm", dict(budget_ratio=0.5))])
 def test_baselines_take_the_full_layers_of_a_hybrid_model(gemma3, policy, params):
     cache = kvtier.make_cache(policy, gemma3, **params)
-    seq, _ = _greedy(gemma3, cache, steps=48)
+    seq, _ = padded_greedy(gemma3, cache, steps=48)
     assert seq.shape[1] == 20 + 48 and len(cache.sliding_layers()) == 5
     assert cache.kept_mask().shape[0] == 1  # the full layer's kept positions
     assert cache.stats()["sliding"]["layers"] == 5

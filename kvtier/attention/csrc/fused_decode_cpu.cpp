@@ -383,6 +383,16 @@ const T* stage_block(const T* src, int64_t rs, int64_t C, int64_t D, std::vector
   return dst;
 }
 
+// Whether the 16 keys at bias are all masked; if so, their logits (g rows of s, ld apart) are set to -inf.
+inline bool masked16(const float* bias, float* s, int64_t g, int64_t ld) {
+  bool any = false;
+  for (int u = 0; u < 16; ++u) any |= bias[u] != kNegInf;
+  if (any) return false;
+  for (int64_t gi = 0; gi < g; ++gi)
+    for (int u = 0; u < 16; ++u) s[gi * ld + u] = kNegInf;
+  return true;
+}
+
 // One key's logits for the g query heads (stride ld in s), the running max updated.
 inline void logits_one_key(const float* qh, const float* kr, float bias, float scaling, int64_t g, int64_t D,
                            float* s, int64_t ld, float* m) {
@@ -475,13 +485,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
 #ifdef KVTIER_AMX
       if (amx) {
         for (; j + 16 <= r.C; j += 16) {
-          bool any = false;
-          for (int u = 0; u < 16; ++u) any |= bias[j + u] != kNegInf;
-          if (!any) {
-            for (int64_t gi = 0; gi < g; ++gi)
-              for (int u = 0; u < 16; ++u) s[gi * Ctot + off + j + u] = kNegInf;
-            continue;
-          }
+          if (masked16(bias + j, s + off + j, g, Ctot)) continue;
           // the tile loads stall on memory without this: two blocks ahead (prefetches never fault past the end)
           prefetch_rows(kb + (j + 32) * r.ks2, r.ks2, 16, D);
           amx_dots16(reinterpret_cast<const uint16_t*>(kb + j * r.ks2), r.ks2, D, amx_out);
@@ -503,13 +507,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       // gives 16 logits. A float32 query over bf16 K goes by 4 (its K rows are widened into tmp).
       if (D % 16 == 0 && (std::is_same<T, float>::value || bf16_dots)) {
         for (; j + 16 <= r.C; j += 16) {
-          bool any = false;
-          for (int u = 0; u < 16; ++u) any |= bias[j + u] != kNegInf;
-          if (!any) {
-            for (int64_t gi = 0; gi < g; ++gi)
-              for (int u = 0; u < 16; ++u) s[gi * Ctot + off + j + u] = kNegInf;
-            continue;
-          }
+          if (masked16(bias + j, s + off + j, g, Ctot)) continue;
           const T* kj = kb + j * r.ks2;
           prefetch_rows(kb + (j + 32) * r.ks2, r.ks2, 16, D);
           for (int64_t gi = 0; gi < g; ++gi) {
