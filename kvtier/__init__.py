@@ -26,7 +26,7 @@ def make_cache(policy: str, model, record_tiers=False, **params) -> KVTierCache:
         ValueError: unknown policy or parameter, or a parameter out of range.
         NotImplementedError: the model's attention is not supported (soft-capping, MLA, every layer sliding); a
             hybrid model's sliding layers keep their window and the policy takes the full ones; attention sinks
-            (gpt-oss) join every softmax, on the eager paths.
+            (gpt-oss) join every softmax.
     """
     from .tiers.tiermap import attach_recorder, check_record_tiers
 

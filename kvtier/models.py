@@ -78,8 +78,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-llama": Preset("llama", dict(_TINY)),
     "tiny-mistral": Preset("mistral", dict(_TINY, sliding_window=None)),
     "tiny-qwen3": Preset("qwen3", dict(_TINY, head_dim=16)),
-    # hybrid models: sliding-window layers beside full ones, with every policy (gpt-oss: attention sinks too, on
-    # the eager paths)
+    # hybrid models: sliding-window layers beside full ones, with every policy (gpt-oss: attention sinks too)
     "tiny-gpt-oss": Preset("gpt_oss", dict(_TINY, num_hidden_layers=4, head_dim=16, num_local_experts=4,
                                            num_experts_per_tok=2, sliding_window=8)),
     "tiny-gemma3": Preset("gemma3", dict(_TINY, num_hidden_layers=6, head_dim=16, sliding_window=8,

@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 _NEG_INF = float("-inf")
 EMPTY = -1e30  # the max of a region without keys: finite, far below any real score
@@ -119,13 +120,13 @@ def add_weights(scores: torch.Tensor, pos: torch.Tensor, e: torch.Tensor, f: tor
     scores.scatter_add_(1, pos, (weights(e, f) * scale).to(scores.dtype))
 
 
-def _softmax(s: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
-    """Softmax over the last dim of ``s`` (B, H, g, K), float32; with ``sinks`` ((H * g,), one logit per query
-    head) a column of them joins the softmax and is dropped after, as in transformers' eager attention (gpt-oss)."""
+def _softmax(s: torch.Tensor, sinks: torch.Tensor | None, shape: tuple[int, ...] = ()) -> torch.Tensor:
+    """Softmax over the last dim of ``s``, float32; with ``sinks`` (one logit per query head, viewed as ``shape``,
+    which broadcasts against ``s[..., :1]``) a column of them joins the softmax and is dropped after, as in
+    transformers' eager attention (gpt-oss)."""
     if sinks is None:
         return torch.softmax(s, dim=-1, dtype=torch.float32)
-    B, H, g, _ = s.shape
-    col = sinks.detach().to(s.dtype).reshape(1, H, g, 1).expand(B, H, g, 1)
+    col = sinks.detach().to(s.dtype).view(shape).expand(s.shape[:-1] + (1,))
     return torch.softmax(torch.cat([s, col], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
 
 
@@ -143,7 +144,7 @@ def ordered(qg: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     """
     s = torch.matmul(qg, k.transpose(-1, -2)) * scaling
     s = s.masked_fill(~mask, _NEG_INF)
-    p = _softmax(s, sinks)
+    p = _softmax(s, sinks, (1,) + tuple(s.shape[1:3]) + (1,))  # (B, H, g, K): a sink per (kv-head, group member)
     return torch.matmul(p.to(v.dtype), v), p
 
 
@@ -174,11 +175,19 @@ def dense(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: tor
             m = torch.arange(kv, device=s.device).view(1, -1) <= rows
         else:
             m = mask[:, :, c : c + chunk]
-        s = s.masked_fill(~m, _NEG_INF)
-        col = sinks.detach().to(s.dtype).view(1, Hq, 1, 1).expand(B, Hq, s.shape[2], 1)
-        p = torch.softmax(torch.cat([s, col], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        p = _softmax(s.masked_fill(~m, _NEG_INF), sinks, (1, Hq, 1, 1))
         outs.append(torch.matmul(p.to(v.dtype), v))
     return torch.cat(outs, dim=2)
+
+
+def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A prefill's attention over its own prompt: SDPA (never building the (q x q) weights; ``mask`` None: causal),
+    or with ``sinks`` (SDPA has none) :func:`dense`. query (B, Hq, q, D), key/value (B, H, q, D) -> (B, Hq, q, D)."""
+    if sinks is not None:
+        return dense(query, key, value, mask, scaling, sinks)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=mask is None, scale=scaling,
+                                          enable_gqa=True)
 
 
 def causal_weight_sums(query: torch.Tensor, k: torch.Tensor, key_valid: torch.Tensor, query_valid: torch.Tensor,
@@ -208,4 +217,4 @@ def causal_weight_sums(query: torch.Tensor, k: torch.Tensor, key_valid: torch.Te
 
 
 __all__ = ["EMPTY", "Partial", "add_weights", "causal_weight_sums", "dense", "mask_bias", "combine", "merge", "ordered",
-           "partial", "sink_partial", "weights"]
+           "partial", "prompt_attention", "sink_partial", "weights"]

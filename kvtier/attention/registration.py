@@ -54,9 +54,8 @@ def kvtier_attention(
         # no kvtier cache, or a hybrid model's sliding layer (its window): transformers' SDPA, or its eager math
         # where the model has sinks (SDPA has none)
         if sinks is not None:
-            if scaling is None:
-                scaling = query.shape[-1] ** -0.5
-            out = dense(query, key, value, attention_mask, scaling, sinks)
+            out = dense(query, key, value, attention_mask, query.shape[-1] ** -0.5 if scaling is None else scaling,
+                        sinks)
             return out.transpose(1, 2).contiguous(), None
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)

@@ -19,9 +19,8 @@ import math
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from ..attention.merge import dense, ordered
+from ..attention.merge import ordered, prompt_attention
 from ..config import EvictionBudget  # noqa: F401 (its documented home was here)
 from .base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
 from .stats import sliding_stats
@@ -270,13 +269,7 @@ class HeadwiseLayer(KVTierLayer):
         k, v = self.k[:, :, : self.S], self.v[:, :, : self.S]
         prefill = q == st.n_total  # the cache's first tokens (a one-token prompt included)
         if prefill:
-            if sinks is not None:  # gpt-oss: SDPA has no sink logit
-                out = dense(query, k, v, attention_mask, scaling, sinks)
-            else:
-                out = F.scaled_dot_product_attention(
-                    query, k, v, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling,
-                    enable_gqa=True
-                )
+            out = prompt_attention(query, k, v, attention_mask, scaling, sinks)
             st.scorer.after_prefill(self, query, scaling)
         else:
             H = k.shape[1]

@@ -13,10 +13,9 @@ Data flow per layer:
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from ..attention import tiered
-from ..attention.merge import dense
+from ..attention.merge import prompt_attention
 from ..tiers.layout import TAIL
 from ..tiers.planner import T0, T1, T2
 from ..tiers.quant import dequantize, quantize
@@ -247,8 +246,9 @@ class TieredLayer(KVTierLayer):
         """Attention of ``query`` (B, Hq, q, D) over this layer's kept tokens -> (B, q, Hq, D).
 
         ``key``/``value`` (B, H, q, D) are this step's new states (the whole prompt at prefill). ``sinks`` (Hq,):
-        the model's sink logit per query head (gpt-oss), or None; with sinks every path is eager (the fused
-        kernel and SDPA have no sink) and the sinks join each softmax (:mod:`kvtier.attention.merge`)."""
+        the model's sink logit per query head (gpt-oss), or None: they join each softmax (one more partial in the
+        merge, one more logit in the fused kernel; SDPA has none, so the prefill takes ``merge.prompt_attention``'s
+        eager math)."""
         st = self.state
         B, Hq, q, D = query.shape
         # a prefill brings the cache's first tokens (update() has counted them): a one-token prompt is one too
@@ -260,15 +260,7 @@ class TieredLayer(KVTierLayer):
                 if st.retier_enabled:
                     st.place_prefill()
         if prefill:
-            # Prefill of an empty cache: SDPA over the prompt, never building the (q x q) weights (with sinks:
-            # the eager math, chunk by chunk of queries)
-            if sinks is not None:
-                out = dense(query, key, value, attention_mask, scaling, sinks)
-            else:
-                out = F.scaled_dot_product_attention(
-                    query, key, value, attn_mask=attention_mask, is_causal=attention_mask is None, scale=scaling,
-                    enable_gqa=True,
-                )
+            out = prompt_attention(query, key, value, attention_mask, scaling, sinks)
             if st.retier_enabled:
                 self._migrate(tail=(key, value))
             return out.transpose(1, 2).contiguous(), None
