@@ -153,6 +153,49 @@ def test_staged_regions_read_the_same_floats(dtype, D):
                          None, 0.01, 0.2, [True])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [64, 24])
+@pytest.mark.parametrize("amx", [True, False])
+@pytest.mark.parametrize("first", [32, 37])  # the last region starts on a 16-column boundary, or not
+def test_closed_capacity_never_changes_the_floats(dtype, D, amx, first):
+    """A cache's buffer grows by granules, so the last region of a call ends in closed columns (-inf, garbage in
+    their slots) that the kernel skips past the 16-key block holding the last open one. Any capacity — that block's
+    end, further multiples of 16, an odd size, rows open to different lengths, one row all closed — gives bitwise
+    the output and scores of every column visited (the same buffer followed by a closed region, so that it is not
+    last), and of every other capacity; against the float64 partials within the kernel's bound."""
+    g = torch.Generator().manual_seed(11)
+    B, H, grp = 3, 2, 7
+    regs, n_pos = _regions(B, H, D, [first, 64], dtype, g)
+    open_to = [29, 64 - 16, 0]  # row 2 has no open column in this region
+    k1, v1, b1, p1 = regs[1]
+    for b, e in enumerate(open_to):
+        b1[b, ..., e:] = float("-inf")
+    q = torch.randn(B, H, grp, D, generator=g).to(torch.bfloat16).float()  # bf16 values: the AMX/VDPBF16PS paths
+    outs, accs = [], []
+    for cap in (64, 80, 257, 768):
+        kk = torch.full((B, H, cap, D), float("nan")).to(dtype)
+        vv = torch.full((B, H, cap, D), float("nan")).to(dtype)
+        bb = torch.full((B, 1, 1, cap), float("-inf"))
+        pp = torch.full((B, cap), n_pos - 1, dtype=torch.long)
+        kk[:, :, :64], vv[:, :, :64], bb[..., :64], pp[:, :64] = k1, v1, b1, p1
+        # the buffer as the last region (its closed columns skipped), then followed by a closed 16-column region
+        # (the kernel never skips within a region that is not last: every column visited, the old way)
+        shut = (torch.zeros(B, H, 16, D, dtype=dtype), torch.zeros(B, H, 16, D, dtype=dtype),
+                torch.full((B, 1, 1, 16), float("-inf")), torch.full((B, 16), n_pos - 1, dtype=torch.long))
+        for extra in ([], [shut]):
+            rr = [regs[0], (kk, vv, bb, pp), *extra]
+            acc = torch.zeros(B, n_pos, dtype=torch.float64)
+            with fused_cpu.use_amx(amx):
+                outs.append(fused_cpu.attend(q, [r[0] for r in rr], [r[1] for r in rr], [r[2] for r in rr],
+                                             [r[3] for r in rr], [acc] * len(rr), 0.5, 0.2))
+            accs.append(acc)
+    for o, a in zip(outs[1:], accs[1:]):
+        assert torch.equal(o, outs[0]) and torch.equal(a, accs[0])
+    ref, _ = merge([partial(q.double(), torch.nan_to_num(k.double()), torch.nan_to_num(v.double()), b, 0.2, False)
+                    for k, v, b in ((regs[0][0], regs[0][1], regs[0][2]), (k1, v1, b1))])
+    assert (outs[0].double() - ref).abs().max().item() <= 2e-6 * max(1.0, (D / 64) ** 0.5)
+
+
 def test_staging_time_is_taken_by_the_thread_that_attended():
     """Two caches decoding in different threads must not take each other's copy time: a staged call made in
     another thread leaves this thread's time at zero, and that thread takes its own."""

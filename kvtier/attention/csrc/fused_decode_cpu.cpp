@@ -471,10 +471,26 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       amx_set_query(qb, g, D, amx_qt);
     }
 #endif
+    // The last region's closed columns (a buffer's capacity past its last open slot, up to a third of a
+    // growing cache) are not visited: that region stops at the 16-key block holding its last open column, so
+    // every open key keeps its block and path, and the sums below keep their lanes (only where the open
+    // columns all fall in sum()'s 16-lane part either way: the same floats as over the whole buffer).
+    const Region& tail = regs.back();
+    const float* tb = tail.bias + b * tail.bs0;
+    int64_t open_end = tail.C;
+    while (open_end > 0 && tb[open_end - 1] == kNegInf) --open_end;
+    int64_t tail_c = (open_end + 15) / 16 * 16;
+    int64_t n_live = Ctot - tail.C + tail_c;  // columns visited: s and w hold them; the rest weigh 0
+    if (tail_c >= tail.C || n_live / 16 * 16 < Ctot - tail.C + open_end) {
+      tail_c = tail.C;
+      n_live = Ctot;
+    }
     // pass 1: logits, running max. Blocks of 4 keys share each query load (D a multiple of 16); a masked
     // column's logit is computed from whatever its slot holds and then replaced by -inf.
     int64_t off = 0;
-    for (Region r : regs) {
+    for (size_t ri = 0; ri < regs.size(); ++ri) {
+      Region r = regs[ri];
+      if (ri + 1 == regs.size()) r.C = tail_c;
       const T* kb = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
       if (r.staged) {
         kb = stage_block(kb, r.ks2, r.C, D, stage_buf, stage_ns);
@@ -604,15 +620,17 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
     for (int64_t gi = 0; gi < g; ++gi) {
       float* sg = s + gi * Ctot;
       const float mg = m[gi] == kNegInf ? 0.f : m[gi];
-      for (int64_t j = 0; j < Ctot; ++j) sg[j] = exp_nonpos(sg[j] - mg);  // no reduction here: vectorises
-      l[gi] = sum(sg, Ctot);
+      for (int64_t j = 0; j < n_live; ++j) sg[j] = exp_nonpos(sg[j] - mg);  // no reduction here: vectorises
+      l[gi] = sum(sg, n_live);
       if (sinks) l[gi] += exp_nonpos(sinks[h * g + gi] - mg);  // a logit with no value: the denominator only
     }
     // pass 3: values, tile by tile of keys and 8 query heads at a time (values_tile); with D not a multiple
     // of 16, key by key. Masked keys are never read (their slots may hold anything).
     std::fill(o, o + g * D, 0.f);
     off = 0;
-    for (Region r : regs) {
+    for (size_t ri = 0; ri < regs.size(); ++ri) {
+      Region r = regs[ri];
+      if (ri + 1 == regs.size()) r.C = tail_c;
       const T* vb = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
       if (r.staged) {
         vb = stage_block(vb, r.vs2, r.C, D, stage_buf, stage_ns);
@@ -646,7 +664,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       for (int64_t gi = 0; gi < g; ++gi) {
         const float inv = l[gi] > 0.f ? 1.f / l[gi] : 0.f;
         const float* sg = s + gi * Ctot;
-        for (int64_t j = 0; j < Ctot; ++j) wh[j] += sg[j] * inv;
+        for (int64_t j = 0; j < n_live; ++j) wh[j] += sg[j] * inv;
       }
     }
   }
