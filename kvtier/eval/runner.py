@@ -299,8 +299,11 @@ def _as_set(ids) -> set[int]:
 def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dict) -> list[dict]:
     import kvtier
 
+    from transformers import StoppingCriteriaList
+
     from ..compat import cache_kw
     from ..tiers.tiermap import cache_codes, compact, sequence_map, token_pieces
+    from .answer_step import AnswerSteps
 
     prompts = [build_prompt(tok, c.benchmark, p) for _, _, p, _, _ in batch]
     enc = tok(prompts, return_tensors="pt", padding=True).to(model.device)
@@ -314,6 +317,10 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
 
         seeds = [sample_seed(c.seed, p.id, s) for _, _, p, s, _ in batch]
         gen["logits_processor"] = LogitsProcessorList([RowSampler(seeds, c.temperature, c.top_p, model.device)])
+    plen = enc.input_ids.shape[1]
+    eos = _as_set(tok.eos_token_id) | _as_set(getattr(model.generation_config, "eos_token_id", None))
+    answers = AnswerSteps(cache, eos | _as_set(tok.pad_token_id), plen)
+    gen["stopping_criteria"] = StoppingCriteriaList([answers])
     sync = seam_for(model.device).synchronize  # the device's queued work inside the timed span, none outside
     sync(model.device)
     t = time.perf_counter()
@@ -321,8 +328,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
         out = model.generate(**enc, **cache_kw(model, cache), **gen)
     sync(model.device)
     dt = time.perf_counter() - t
-    plen = enc.input_ids.shape[1]
-    eos = _as_set(tok.eos_token_id) | _as_set(getattr(model.generation_config, "eos_token_id", None))
+    answers.finish(len(batch), out.shape[1] - plen - 1)
     stats = cache.stats()
     codes = cache_codes(cache)
     recs = []
@@ -354,6 +360,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
             "prompt_tokens": n_prompt,
             "generated_tokens": n_gen,
             "tier_map": compact(tmap, n_prompt),
+            "answer_step": answers.as_record(row),
             **_row_stats(cache, row, stats),
             "peak_device_kv_bytes": stats.get("peak_device_kv_bytes"),
             "peak_device_tokens": stats.get("peak_device_tokens"),

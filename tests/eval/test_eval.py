@@ -23,7 +23,7 @@ FIELDS = {
     "benchmark", "id", "sample", "config_key", "policy", "params", "model", "max_new_tokens", "temperature", "top_p",
     "seed", "completion", "extracted", "gold", "correct", "prompt_tokens", "generated_tokens", "tier_tokens",
     "tier_bytes", "budget_tokens", "problem_hash", "key_inputs", "peak_device_kv_bytes", "peak_device_tokens", "streamed_bytes", "moved_bytes", "batch_size", "batch_seconds", "seconds", "tier_map",
-    "kernel",
+    "kernel", "answer_step",
 }
 
 
@@ -51,6 +51,9 @@ def test_eval_end_to_end_every_record_field(tmp_path, benchmark):
         assert sum(r["tier_tokens"].values()) >= r["prompt_tokens"]
         assert r["seconds"] > 0
         assert r["kernel"] == "fused"  # the split step's implementation that ran (CPU: the fused kernel)
+        a = r["answer_step"]  # at the row's last step: every token but the one sampled last is cached
+        assert a["tokens"] == r["prompt_tokens"] + r["generated_tokens"] - 1 and a["step"] == r["generated_tokens"] - 1
+        assert a["attended"] + a["destroyed"] == a["tokens"] == sum(a["tiers"].values())
         tm = r["tier_map"]  # the final tier of every prompt and completion token, and where each token ends
         assert tm["kind"] == "tiers" and len(tm["prompt"]) == r["prompt_tokens"]
         assert len(tm["completion"]) == len(tm["ends"]) == r["generated_tokens"]
