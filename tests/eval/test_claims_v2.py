@@ -81,3 +81,25 @@ def test_v2_grid_table(tmp_path):
     paths = write_claims(recs, tmp_path)
     md = paths["claims_md"].read_text()
     assert "v2 grid, gsm8k" in md and "| 32 | 0.5 | tiered hbm 0.5, evict 0.03 |" in md
+
+
+def _baselines(right_by_name):
+    recs = _cfg("tiered", correct=RIGHT, hbm_ratio=0.5, evict_ratio=0.03, recent_window=32)
+    for name, right in right_by_name.items():
+        pol, _, buf = name.partition(":")
+        extra = {"buffer": int(buf)} if buf else {}
+        recs += _cfg(pol, correct=right, budget_ratio=0.5, budget_floor=32, protect_prompt=True, **extra)
+    # the first campaign's unprotected baselines are not these
+    recs += _cfg("h2o", correct=RIGHT, budget_ratio=0.5, budget_floor=32)
+    return recs
+
+
+def test_baselines_at_equal_memory_and_protection_both_ways():
+    key = "Baselines at equal device memory and equal protection, gsm8k"
+    won = _rows(_cfg("full", correct=RIGHT) + _baselines({"h2o": {1}, "rkv": {2}, "rkv:32": {3}}))[key]
+    assert won["verdict"] == "reproduced"
+    assert set(won["data"]) == {"h2o", "rkv (buffer 128)", "rkv (buffer 32)"}  # protected ones only, R-KV per buffer
+    lost = _rows(_cfg("full", correct=RIGHT) + _baselines({"h2o": {1}, "streaming_llm": RIGHT | set(range(20, 30))}))
+    assert lost[key]["verdict"] == "not reproduced"
+    mid = _rows(_cfg("full", correct=RIGHT) + _baselines({"h2o": set(range(17))}))[key]  # 17 vs 20: p 0.25
+    assert mid["verdict"] == "not testable here"
