@@ -86,6 +86,17 @@ def _bound(x: float) -> str:
     return f"{100 * x:.0f}" if x >= 0.095 else f"{100 * x:.1f}"
 
 
+def cliff_verdict(p: dict) -> tuple[str, str]:
+    """C1's verdict and rule from ``paired(full, evict)``: the cliff is retention <= 25% with McNemar p < 0.05."""
+    if p["a"]["accuracy"] < MIN_FULL_ACCURACY:
+        return TOO_WEAK
+    if p["retention"] is not None and p["retention"] <= 0.25 and p["mcnemar_p"] < 0.05:
+        return "reproduced", "reproduced if retention <= 25% and McNemar p < 0.05"
+    if p["mcnemar_p"] < 0.05:
+        return "not reproduced", "accuracy falls (McNemar p < 0.05) but keeps more than 25%: a drop, not the cliff"
+    return "not reproduced", "retention > 25% or no significant drop (McNemar p >= 0.05)"
+
+
 def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuffle=0") -> list[dict]:
     """One row per claim: ``claim``, ``paper``, ``kvtier`` (the measured numbers, as text), ``verdict``, ``rule``,
     and ``data`` (the numbers behind them)."""
@@ -111,15 +122,7 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
             missing(name, "~0", f"full and evict 0.5 on {bench}")
             continue
         p = paired(full[bench], ev)
-        rule = "reproduced if retention <= 25% and McNemar p < 0.05"
-        if p["a"]["accuracy"] < MIN_FULL_ACCURACY:
-            verdict, rule = TOO_WEAK
-        elif p["retention"] is not None and p["retention"] <= 0.25 and p["mcnemar_p"] < 0.05:
-            verdict = "reproduced"
-        elif p["mcnemar_p"] < 0.05:
-            verdict, rule = "not reproduced", "accuracy falls (McNemar p < 0.05) but keeps more than 25%: a drop, not the cliff"
-        else:
-            verdict = "not reproduced"
+        verdict, rule = cliff_verdict(p)
         rows.append({"claim": name, "paper": "~0 whatever the score function",
                      "kvtier": f"full {_acc_text(p['a'])} -> evict 0.5 {_acc_text(p['b'])}; retention "
                                f"{_pct(p['retention'])}, McNemar p {p['mcnemar_p']:.2g}",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from statistics import median
 
-from .claims import MIN_FULL_ACCURACY, TOO_WEAK, _acc_text, _find, _pct, paired
+from .claims import MIN_FULL_ACCURACY, TOO_WEAK, _acc_text, _find, _pct, cliff_verdict, paired
 from .configs import full_params
 from .stats import cochran_q
 
@@ -144,15 +144,7 @@ def _baselines(ti: list[dict], base: dict[str, list[dict]], bench: str) -> dict:
 def _c1(full: list[dict], ev: list[dict], w: int, bench: str) -> dict:
     p = paired(full, ev)
     c = answer_counts(ev)
-    rule = "reproduced if retention <= 25% and McNemar p < 0.05"
-    if p["a"]["accuracy"] < MIN_FULL_ACCURACY:
-        verdict, rule = TOO_WEAK
-    elif p["retention"] is not None and p["retention"] <= 0.25 and p["mcnemar_p"] < 0.05:
-        verdict = "reproduced"
-    elif p["mcnemar_p"] < 0.05:
-        verdict, rule = "not reproduced", "accuracy falls (McNemar p < 0.05) but keeps more than 25%: a drop, not the cliff"
-    else:
-        verdict, rule = "not reproduced", "retention > 25% or no significant drop (McNemar p >= 0.05)"
+    verdict, rule = cliff_verdict(p)
     return {"claim": f"C1 eviction bites on {bench} (window {w}, prompt protected): evicting 50% takes accuracy to ~0",
             "paper": "~0 whatever the score function",
             "kvtier": f"full {_acc_text(p['a'])} -> evict 0.5 {_acc_text(p['b'])}; retention {_pct(p['retention'])}, "
