@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from statistics import median
 
-from .claims import MIN_FULL_ACCURACY, TOO_WEAK, _acc_text, _find, _pct, cliff_verdict, paired
+from .claim_rules import MIN_FULL_ACCURACY, TOO_WEAK, _acc_text, _find, _pct, cliff_verdict, paired
 from .configs import full_params
 from .stats import cochran_q
 
