@@ -22,6 +22,7 @@ from .configs import full_params
 from .records import dedupe
 from .stats import cochran_q
 
+
 def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuffle=0") -> list[dict]:
     """One row per claim: ``claim``, ``paper``, ``kvtier`` (the measured numbers, as text), ``verdict``, ``rule``,
     and ``data`` (the numbers behind them)."""
@@ -77,21 +78,21 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
                      "verdict": verdict, "rule": rule, "data": p})
 
     # C3: HBM independence (ordered attention: bitwise), and the eviction ratio's effect
-    grid = {(h, e): _find(by, gsm, "tiered", hbm_ratio=h, evict_ratio=e, attention="ordered")
+    ordered_grid = {(h, e): _find(by, gsm, "tiered", hbm_ratio=h, evict_ratio=e, attention="ordered")
             for h in (0.3, 0.5, 0.7) for e in (0.1, 0.25)}
     if v2[gsm]:
         pass  # a second-campaign run: C3 on the default (split) path instead of the ordered one
-    elif all(grid.values()):
+    elif all(ordered_grid.values()):
         per_e = {}
         for e in (0.1, 0.25):
-            maps = [{(r["id"], r.get("sample", 0)): r for r in grid[(h, e)]} for h in (0.3, 0.5, 0.7)]
+            maps = [{(r["id"], r.get("sample", 0)): r for r in ordered_grid[(h, e)]} for h in (0.3, 0.5, 0.7)]
             common = sorted(set.intersection(*(set(m) for m in maps)))
             same = sum(len({m[k]["completion"] for m in maps}) == 1 for k in common)
             q, pq = cochran_q([[int(m[k]["correct"]) for m in maps] for k in common])
             per_e[e] = {"n": len(common), "identical": same, "cochran_q": q, "p": pq,
                         "accuracies": [sum(m[k]["correct"] for k in common) / max(1, len(common)) for m in maps]}
         spread = max(abs(per_e[0.1]["accuracies"][i] - per_e[0.25]["accuracies"][i]) for i in range(3))
-        ev_p = [paired(grid[(h, 0.1)], grid[(h, 0.25)])["mcnemar_p"] for h in (0.3, 0.5, 0.7)]
+        ev_p = [paired(ordered_grid[(h, 0.1)], ordered_grid[(h, 0.25)])["mcnemar_p"] for h in (0.3, 0.5, 0.7)]
         all_same = all(v["identical"] == v["n"] for v in per_e.values())
         rows.append({"claim": "C3 HBM independence: at fixed eviction the HBM ratio changes nothing",
                      "paper": "p > 0.3 across hbm 0.3/0.5/0.7; eviction moves accuracy by up to 18 points",

@@ -485,12 +485,16 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       tail_c = tail.C;
       n_live = Ctot;
     }
+    const auto region = [&regs, tail_c](size_t ri) {  // a local copy, the last one cut to its live columns
+      Region r = regs[ri];
+      if (ri + 1 == regs.size()) r.C = tail_c;
+      return r;
+    };
     // pass 1: logits, running max. Blocks of 4 keys share each query load (D a multiple of 16); a masked
     // column's logit is computed from whatever its slot holds and then replaced by -inf.
     int64_t off = 0;
     for (size_t ri = 0; ri < regs.size(); ++ri) {
-      Region r = regs[ri];
-      if (ri + 1 == regs.size()) r.C = tail_c;
+      Region r = region(ri);
       const T* kb = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
       if (r.staged) {
         kb = stage_block(kb, r.ks2, r.C, D, stage_buf, stage_ns);
@@ -629,8 +633,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
     std::fill(o, o + g * D, 0.f);
     off = 0;
     for (size_t ri = 0; ri < regs.size(); ++ri) {
-      Region r = regs[ri];
-      if (ri + 1 == regs.size()) r.C = tail_c;
+      Region r = region(ri);
       const T* vb = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
       if (r.staged) {
         vb = stage_block(vb, r.vs2, r.C, D, stage_buf, stage_ns);
