@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .grading import extract_boxed
-from .specs import DataError, base_benchmark, split_benchmark
+from .specs import FILE_OPTIONS, DataError, base_benchmark, benchmark_options
 
 BENCHMARKS = ("gsm8k", "math500", "math_level5", "arc_challenge")
 HUB = {
@@ -48,9 +48,9 @@ def check_benchmark(name: str) -> None:
     if name.startswith("rg:") and len(name) > 3:
         return
     if base_benchmark(name) in BENCHMARKS:
-        split_benchmark(name)
+        benchmark_options(name)
         return
-    raise DataError(f"benchmark must be one of {', '.join(BENCHMARKS)} (optionally ?shuffle=<seed>) "
+    raise DataError(f"benchmark must be one of {', '.join(BENCHMARKS)} (options: {FILE_OPTIONS}) "
                     f"or rg:<reasoning-gym task>, got {name!r}")
 
 
@@ -77,6 +77,11 @@ def _read_jsonl(path: Path) -> list[tuple[int, dict]]:
 
 def _gsm8k_gold(answer: str) -> str:
     return answer.split("####")[-1].strip().replace(",", "")
+
+
+def gsm8k_steps(answer: str) -> int:
+    """The reference solution's steps: its non-empty lines before the ``####`` answer line."""
+    return sum(1 for line in answer.split("####")[0].splitlines() if line.strip())
 
 
 # the fields each benchmark's rows must have (the shared data READMEs' schemas)
@@ -185,13 +190,14 @@ def _reasoning_gym(spec: str, limit: int | None, seed: int) -> list[Problem]:
 
 def load_problems(name: str, data_dir: str | Path | None = None, limit: int | None = None, seed: int = 0) -> list[Problem]:
     """Problems of ``name`` (first ``limit``), from ``data_dir`` if given, else the hub; ``rg:<task>`` offline;
-    ``<name>?shuffle=<seed>``: the first ``limit`` of a seeded permutation (ids unchanged)."""
+    ``<name>?shuffle=<seed>``: the first ``limit`` of a seeded permutation; ``gsm8k?steps=<lo>-<hi>``: only the
+    problems whose reference solution has lo..hi steps (:func:`gsm8k_steps`). Ids are the whole file's either way."""
     check_benchmark(name)
     if limit is not None and (not isinstance(limit, int) or limit < 1):
         raise DataError(f"--limit must be an integer >= 1, got {limit!r}")
     if name.startswith("rg:"):
         return _reasoning_gym(name[3:], limit, seed)
-    name, shuffle = split_benchmark(name)
+    name, opts = benchmark_options(name)
     if data_dir is not None:
         path = Path(data_dir).expanduser() / name / "test.jsonl"
         if not path.is_file():
@@ -204,9 +210,15 @@ def load_problems(name: str, data_dir: str | Path | None = None, limit: int | No
     probs = _from_rows(name, rows, source)
     if not fingerprint:
         fingerprint = "hub:" + hashlib.sha1(json.dumps([(p.id, p.question, p.gold, p.choices) for p in probs]).encode()).hexdigest()[:16]
-    if shuffle is not None:  # the whole set is permuted first, so a larger limit extends the same subset
-        random.Random(shuffle).shuffle(probs)
-        fingerprint += f":shuffle{shuffle}"
+    if opts.steps is not None:  # before the permutation: a stratum of the file, then its own seeded order
+        lo, hi = opts.steps
+        probs = [p for p, (_, r) in zip(probs, rows) if lo <= gsm8k_steps(str(r["answer"])) <= hi]
+        if not probs:
+            raise DataError(f"{source} holds no gsm8k problem with {lo}-{hi} reference steps")
+        fingerprint += f":steps{lo}-{hi}"
+    if opts.shuffle is not None:  # the whole set is permuted first, so a larger limit extends the same subset
+        random.Random(opts.shuffle).shuffle(probs)
+        fingerprint += f":shuffle{opts.shuffle}"
     out = ProblemSet(probs[:limit] if limit else probs)
     out.fingerprint = fingerprint
     return out

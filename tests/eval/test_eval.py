@@ -371,3 +371,34 @@ def test_file_benchmark_seeded_subset():
     for bad in ("math500?seed=1", "math500?shuffle=x", "nope?shuffle=1"):
         with pytest.raises(DataError, match="shuffle"):
             load_problems(bad, DATA_DIR)
+
+
+def test_gsm8k_steps_strata():
+    """``gsm8k?steps=lo-hi``: exactly the problems whose reference solution has lo..hi lines before ``####``,
+    with the whole file's ids, in file order (or a seeded order with ``&shuffle``); the strata partition the file;
+    a bad range, a repeated option or steps on another benchmark is one DataError naming the options."""
+    import json
+
+    from kvtier.eval.datasets import DataError, gsm8k_steps, load_problems
+
+    lines = [json.loads(x) for x in (DATA_DIR / "gsm8k" / "test.jsonl").read_text().splitlines() if x.strip()]
+    everything = load_problems("gsm8k", DATA_DIR)
+    want = {p.id for p, r in zip(everything, lines) if 3 <= gsm8k_steps(r["answer"]) <= 4}
+    mid = load_problems("gsm8k?steps=3-4", DATA_DIR)
+    assert {p.id for p in mid} == want and len(mid) == len(want) > 0
+    assert [p.id for p in mid] == [p.id for p in everything if p.id in want]  # file order
+    assert gsm8k_steps("a\n\nb <<1+1=2>>\n#### 2") == 2 and gsm8k_steps("#### 3") == 0
+    strata = [load_problems(s, DATA_DIR) for s in ("gsm8k?steps=1-2", "gsm8k?steps=3-4", "gsm8k?steps=5-99")]
+    assert sum(len(s) for s in strata) == len(everything)
+    assert len({p.id for s in strata for p in s}) == len(everything)
+    two = load_problems("gsm8k?steps=2", DATA_DIR, limit=5)
+    assert all(gsm8k_steps(lines[int(p.id.split("-")[1])]["answer"]) == 2 for p in two)
+    shuf = load_problems("gsm8k?steps=3-4&shuffle=0", DATA_DIR, limit=10)
+    assert {p.id for p in shuf} <= want and [p.id for p in shuf] != [p.id for p in mid[:10]]
+    assert len({mid.fingerprint, shuf.fingerprint, everything.fingerprint, two.fingerprint}) == 4
+    for bad in ("gsm8k?steps=0", "gsm8k?steps=4-3", "gsm8k?steps=x", "gsm8k?steps=2&steps=3", "math500?steps=2",
+                "gsm8k?steps=2&seed=1"):
+        with pytest.raises(DataError, match="steps"):
+            load_problems(bad, DATA_DIR)
+    with pytest.raises(DataError, match="no gsm8k problem"):
+        load_problems("gsm8k?steps=50-60", DATA_DIR)
