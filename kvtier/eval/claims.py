@@ -17,6 +17,7 @@ from pathlib import Path
 from ..policies import equal_memory_baselines
 from .claim_rules import (MIN_FULL_ACCURACY, TOO_WEAK, VERDICTS, _acc_text, _configs, _find, _pct, cliff_verdict,  # noqa: F401
                           paired)
+from .claims_cliff import cells, cliff_lines, evaluate_cliff
 from .claims_v2 import evaluate_v2, grid, grid_lines, in_run
 from .configs import full_params
 from .records import dedupe
@@ -145,7 +146,7 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
     else:
         missing("Baselines at equal device memory", "H2O 2–30%, R-KV 0–32% vs 56–65%",
                 "tiered (protect_prompt false) and the baselines at budget_ratio 0.3")
-    rows += evaluate_v2(by, gsm) + evaluate_v2(by, math)
+    rows += evaluate_v2(by, gsm) + evaluate_v2(by, math) + evaluate_cliff(by)
     bad = [r["verdict"] for r in rows if r["verdict"] not in VERDICTS]
     if bad:
         raise AssertionError(f"verdicts outside the vocabulary {VERDICTS}: {bad}")
@@ -182,11 +183,13 @@ def chain_lengths(records: list[dict]) -> list[dict]:
 def write_claims(records: list[dict], out: Path, model: str = "") -> dict[str, Path]:
     rows, chains = evaluate(records), chain_lengths(records)
     by = _configs(records)
-    v2 = {b: grid(by, b) for b in sorted({r["benchmark"] for r in records})}
+    strata = cells(by)
+    in_strata = {s["benchmark"] for s in strata}  # their own table: the cliff's
+    v2 = {b: grid(by, b) for b in sorted({r["benchmark"] for r in records} - in_strata)}
     v2 = {b: g for b, g in v2.items() if g}
     paths = {"claims_md": out / "claims.md", "claims_json": out / "claims.json"}
-    paths["claims_json"].write_text(json.dumps({"claims": rows, "chains": chains, "v2_grid": v2}, indent=2,
-                                               default=float))
+    paths["claims_json"].write_text(json.dumps({"claims": rows, "chains": chains, "v2_grid": v2, "cliff": strata},
+                                               indent=2, default=float))
     lines = ["# The paper's claims, side by side", "", f"{model + ': ' if model else ''}{len(dedupe(records))} records.", "",
              "| claim | paper | kvtier | verdict | rule |", "|---|---|---|---|---|"]
     lines += [f"| {r['claim']} | {r['paper']} | {r['kvtier']} | **{r['verdict']}** | {r['rule']} |" for r in rows]
@@ -196,5 +199,6 @@ def write_claims(records: list[dict], out: Path, model: str = "") -> dict[str, P
               f"{c['max']} (cap {c['max_new_tokens']}) | {_pct(c['at_cap'])} |" for c in chains]
     for b, g in v2.items():
         lines += [x.replace("(v2 grid)", f"(v2 grid, {b})") for x in grid_lines(g)]
+    lines += cliff_lines(strata)
     paths["claims_md"].write_text("\n".join(lines) + "\n")
     return paths
