@@ -6,6 +6,7 @@ CPU is most of it. :func:`kvtier.load_model` applies :func:`pack_linears` by def
 
 from .linear import LINEAR_MODES, FusedLinear, PackedLinear, linear_mode, linear_reference, pack_linears, packed_count, \
     packs_by_default, step_weight_bytes, expert_weights
+from .malloc import keep_freed_memory
 
 __all__ = ["LINEAR_MODES", "FusedLinear", "PackedLinear", "linear_mode", "linear_reference", "pack_linears", "packed_count",
-           "packs_by_default", "step_weight_bytes", "expert_weights"]
+           "packs_by_default", "step_weight_bytes", "expert_weights", "keep_freed_memory"]

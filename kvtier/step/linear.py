@@ -245,6 +245,9 @@ def pack_linears(model: nn.Module, mode: str | None = None, fuse: bool = True) -
         setattr(mod, child_name, PackedLinear(lin, keep_weight=id(lin.weight) in tables))
     n = len(targets) + sum(len(names) for _, names, _ in groups)
     if n:
+        from .malloc import keep_freed_memory
+
+        keep_freed_memory()  # kvtier owns this process's CPU step now: its prefills stop page-faulting (malloc.py)
         log.info("packed %d linear layers for oneDNN (linear=%s; %d sibling groups share one weight each)", n, mode,
                  len(groups))
     return n
