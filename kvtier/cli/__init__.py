@@ -6,6 +6,10 @@ Errors a user can fix print one line (:mod:`.common`); each command module regis
 from __future__ import annotations
 
 import logging
+import os
+import sys
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
 
 # importing a command module registers its commands, in this order in ``kvtier --help``
 # isort: off
@@ -17,5 +21,10 @@ __all__ = ["app", "main"]
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("KVTIER_LOG", "").strip().lower() or "warning"
+    if level not in LOG_LEVELS:  # before any command runs: one line, as the commands' own errors
+        print(f"error: KVTIER_LOG must be one of {', '.join(LOG_LEVELS)}, got {level!r}", file=sys.stderr)
+        raise SystemExit(2)
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+                        if level == "debug" else "%(levelname)s %(name)s: %(message)s")
     app()

@@ -267,6 +267,8 @@ class ContinuousEngine(Engine):
         from ..cache.rows import RowsCache
 
         seqs = [r.pending if r.pending is not None else [r.generated[-1]] for r in rows]
+        joining = [len(r.pending) for r in rows if r.pending is not None]
+        t0 = time.perf_counter()
         rc = RowsCache([r.cache for r in rows], lengths=[len(q) for q in seqs])
         dev = self.model.device
         ids = torch.tensor([[t for q in seqs for t in q]], device=dev)
@@ -289,6 +291,9 @@ class ContinuousEngine(Engine):
                 self._accept(row, logits[i : i + 1], None if greedy is None else greedy[i])
         self.metrics.add_tokens(produced)
         self.metrics.steps += 1
+        if log.isEnabledFor(logging.DEBUG):  # KVTIER_LOG=debug: what each step held and took
+            log.debug("step %d: %d rows, %d joining with %d prompt tokens, %.1f ms", self.metrics.steps, len(rows),
+                      len(joining), sum(joining), 1e3 * (time.perf_counter() - t0))
 
     def _accept(self, row: _Row, logits: torch.Tensor, greedy: int | None = None) -> None:
         """Draw the row's next token from ``logits`` (1, V) (``greedy``: its first maximum, if taken already) and

@@ -36,3 +36,19 @@ def test_bench_prints_plain_progress_lines(tmp_path, monkeypatch):
                                    "--dtype", "fp32", "--no-stock"])
     assert res.exit_code == 0, res.output
     assert re.search(r"^bench: batch 1 repeat 1/1 .* s$", res.output, flags=re.M), res.output
+
+
+def test_log_level_from_kvtier_log():
+    """KVTIER_LOG picks the log level (debug adds timestamps); anything else is one line naming it, exit 2."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "KVTIER_LOG": "verbose"}
+    out = subprocess.run([sys.executable, "-m", "kvtier", "--help"], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 2 and "KVTIER_LOG must be one of debug, info, warning, error, got 'verbose'" in out.stderr
+    env["KVTIER_LOG"] = "DEBUG"
+    code = "import logging, kvtier.cli as c, sys; sys.argv=['kvtier', '--help']\ntry:\n    c.main()\nexcept SystemExit:\n" \
+           "    pass\nprint(logging.getLogger().level)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == str(10), out.stderr

@@ -250,9 +250,14 @@ class _Spans(_Watched):
 
 
 @pytest.mark.parametrize("prefill_tokens,per_step", [(4096, 8), (50, 2)])
-def test_a_burst_is_prefilled_in_shared_steps_beside_the_running_rows(tiny, prefill_tokens, per_step):
+def test_a_burst_is_prefilled_in_shared_steps_beside_the_running_rows(tiny, prefill_tokens, per_step, caplog):
     """Eight requests that arrive together join in one step (or as many whole prompts as --prefill-tokens
-    allows per step, at least one), while a running row keeps decoding; every text equals the request's alone."""
+    allows per step, at least one), while a running row keeps decoding; every text equals the request's alone.
+    At debug level (KVTIER_LOG=debug) each step logs its rows, the joining ones and their prompt tokens."""
+    import logging
+    import re
+
+    caplog.set_level(logging.DEBUG, logger="kvtier.serve.continuous")
     model, tok = tiny
     eng = _Spans(model, tok, EngineConfig(max_batch=16, prefill_tokens=prefill_tokens))
     running = _req(_long_prompt(model, tok), 120, "tiered", NO_EVICT)
@@ -273,6 +278,11 @@ def test_a_burst_is_prefilled_in_shared_steps_beside_the_running_rows(tiny, pref
     assert sum(counts) == 8 and max(counts) <= per_step and max(counts) >= min(per_step, 2)
     assert all(t <= prefill_tokens or n == 1 for n, t in joined[1:])
     assert eng.metrics.steps > steps + 1  # the running row decoded through the joins
+    logged = [tuple(map(int, m.groups())) for m in (re.match(r"step \d+: (\d+) rows, (\d+) joining with (\d+) "
+                                                              r"prompt tokens, [0-9.]+ ms", r.getMessage())
+                                                     for r in caplog.records) if m]
+    assert [(n, t) for _, n, t in logged if n] == joined
+    assert len(logged) == eng.metrics.steps
     assert running.sink.text == _alone(model, tok, running)
     for r in burst:
         assert r.sink.end[0] == "done" and r.sink.text == _alone(model, tok, r), f"request {r.id} ({r.policy})"

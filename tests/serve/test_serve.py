@@ -506,3 +506,16 @@ def test_serve_refuses_a_port_in_use():
         port = held.getsockname()[1]
         res = CliRunner().invoke(app, ["serve", "--model", "random:tiny-qwen2", "--port", str(port)])
     assert res.exit_code == 2 and f"--port {port}: cannot listen there" in res.output
+
+
+def test_serve_quiets_the_tokenizers_thread_pool_unless_told(monkeypatch):
+    """The server sets TOKENIZERS_PARALLELISM=false (the pool's threads spun on the decode step's cores), and leaves
+    a value the user set alone."""
+    import os
+
+    from kvtier.serve import quiet_tokenizer_threads
+
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    assert quiet_tokenizer_threads() and os.environ["TOKENIZERS_PARALLELISM"] == "false"
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    assert not quiet_tokenizer_threads() and os.environ["TOKENIZERS_PARALLELISM"] == "true"
