@@ -402,3 +402,13 @@ def test_gsm8k_steps_strata():
             load_problems(bad, DATA_DIR)
     with pytest.raises(DataError, match="no gsm8k problem"):
         load_problems("gsm8k?steps=50-60", DATA_DIR)
+
+
+@pytest.mark.parametrize("spec", sorted(p.name for p in (REPO / "benchmarks" / "sweeps").glob("*.json")))
+def test_committed_sweep_specs_list_their_configurations(spec, tmp_path):
+    """Every campaign spec in benchmarks/sweeps parses and expands (``--dry-run``: no model, no records): a typo in
+    a spec is found here, not hours into a run."""
+    res = runner.invoke(app, ["sweep", "--config", str(REPO / "benchmarks" / "sweeps" / spec), "--out",
+                              str(tmp_path / "dry"), "--dry-run", "--data-dir", str(DATA_DIR)])
+    assert res.exit_code == 0, res.output
+    assert not (tmp_path / "dry" / "records.jsonl").exists()
