@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kvtier.models import preset_config
+from kvtier.step.linear import PACK_ROWS_HINT, _pack, _run_packed, packable
 from kvtier.transfer import memcpy_peak_gbps
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -43,6 +44,9 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--kvtier", action="store_true", help="also kvtier.step's packed weight (row hint 32) and one "
+                    "packed for the row count measured")
+    ap.add_argument("--only", default="", help="comma-separated linears to measure (default: all)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -53,6 +57,8 @@ def main() -> None:
     from torch.utils import mkldnn as mu
 
     for name, (n_out, n_in) in shapes(a.model).items():
+        if a.only and name not in a.only.split(","):
+            continue
         lin = torch.nn.Linear(n_in, n_out, bias=False).to(dt)
         try:
             packed = mu.to_mkldnn(lin, dt) if dt == torch.bfloat16 else mu.to_mkldnn(lin)
@@ -63,6 +69,12 @@ def main() -> None:
             fns = {"F.linear": lambda: F.linear(x, lin.weight)}
             if packed is not None:
                 fns["oneDNN prepacked"] = lambda: packed(x)
+            if a.kvtier and packable(dt):
+                w32 = _pack(lin.weight.detach())  # kvtier.step's packing (row hint 32)
+                fns["kvtier packed (hint 32)"] = lambda: _run_packed(x, w32, None)
+                if m != PACK_ROWS_HINT:
+                    wm = torch.ops.mkldnn._reorder_linear_weight(lin.weight.detach().contiguous(), m)
+                    fns[f"kvtier packed (hint {m})"] = lambda: _run_packed(x, wm, None)
             times: dict[str, list[float]] = {k: [] for k in fns}
             with torch.no_grad():
                 for f in fns.values():
@@ -84,7 +96,8 @@ def main() -> None:
             "threads": torch.get_num_threads(), "dtype": a.dtype, "model": a.model, "memcpy_peak_gbps": peak,
             "config": torch.__config__.show().splitlines()[2:6],
             "command": f"python benchmarks/linear_probe.py --model {a.model} --rows {a.rows} --dtype {a.dtype} "
-                       f"--reps {a.reps} --out {a.out}"}
+                       f"--reps {a.reps}" + (" --kvtier" if a.kvtier else "") + (f" --only {a.only}" if a.only else "")
+                       + f" --out {a.out}"}
     (a.out / "linear_probe.json").write_text(json.dumps({"meta": meta, "rows": rows_out}, indent=1))
     lines = [f"# Linear probe: {a.model} shapes, {a.dtype}", "", f"{meta['date']} · torch {meta['torch']} · "
              f"{meta['threads']} threads · memcpy peak {peak:.1f} GB/s", "", f"`{meta['command']}`", "",
