@@ -99,7 +99,8 @@ def evaluate_v2(by: dict, bench: str = "gsm8k") -> list[dict]:
                protect_prompt=True, quant_ratio=0.0)
     base = _protected_baselines(by, bench)
     if ti and base:
-        rows.append(_baselines(ti, base, short))
+        same_info = _find(by, bench, "evict", evict_ratio=PAIR_EVICT, recent_window=32)
+        rows.append(_baselines(ti, base, short, same_info))
     return rows
 
 
@@ -121,7 +122,9 @@ def _protected_baselines(by: dict, bench: str) -> dict[str, list[dict]]:
     return dict(sorted(out.items()))
 
 
-def _baselines(ti: list[dict], base: dict[str, list[dict]], bench: str) -> dict:
+def _baselines(ti: list[dict], base: dict[str, list[dict]], bench: str, same_info: list[dict] | None = None) -> dict:
+    """``same_info``: evict at tiered's T3 (3%, window 32), everything else on the device: it attends what tiered
+    attends, so beside the baselines it tells memory from information (reported, not part of the verdict)."""
     ps = {b: paired(v, ti) for b, v in base.items()}  # tiered is "b"
     wins = all(p["b"]["accuracy"] > p["a"]["accuracy"] and p["mcnemar_p"] < 0.05 for p in ps.values())
     loses = any(p["a"]["accuracy"] >= p["b"]["accuracy"] and p["mcnemar_p"] < 0.05 for p in ps.values())
@@ -137,8 +140,12 @@ def _baselines(ti: list[dict], base: dict[str, list[dict]], bench: str) -> dict:
             "kvtier": f"tiered hbm 0.5, evict 0.03, window 32 {_acc_text(next(iter(ps.values()))['b'])}, at the answer "
                       f"{_counts_text(answer_counts(ti))}; "
                       + "; ".join(f"{b} {_acc_text(p['a'])} (p {p['mcnemar_p']:.2g}), at the answer "
-                                  f"{_counts_text(answer_counts(base[b]))}" for b, p in ps.items()),
-            "verdict": verdict, "rule": rule, "data": ps}
+                                  f"{_counts_text(answer_counts(base[b]))}" for b, p in ps.items())
+                      + ("" if not same_info else
+                         f"; equal information (evict 0.03, window 32, all on the device) "
+                         f"{_acc_text(paired(same_info, ti)['a'])} (p {paired(same_info, ti)['mcnemar_p']:.2g})"),
+            "verdict": verdict, "rule": rule,
+            "data": {**ps, **({"equal information: evict 0.03": paired(same_info, ti)} if same_info else {})}}
 
 
 def _c1(full: list[dict], ev: list[dict], w: int, bench: str) -> dict:

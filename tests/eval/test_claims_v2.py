@@ -99,6 +99,11 @@ def test_baselines_at_equal_memory_and_protection_both_ways():
     won = _rows(_cfg("full", correct=RIGHT) + _baselines({"h2o": {1}, "rkv": {2}, "rkv:32": {3}}))[key]
     assert won["verdict"] == "reproduced"
     assert set(won["data"]) == {"h2o", "rkv (buffer 128)", "rkv (buffer 32)"}  # protected ones only, R-KV per buffer
+    info = _cfg("evict", correct=set(range(18)), evict_ratio=0.03, recent_window=32)  # attends what tiered attends
+    with_info = _rows(_cfg("full", correct=RIGHT) + _baselines({"h2o": {1}}) + info)[key]
+    assert with_info["verdict"] == "reproduced"  # reported beside the baselines, not judged with them
+    assert "equal information (evict 0.03, window 32, all on the device) 45.0%" in with_info["kvtier"]
+    assert with_info["data"]["equal information: evict 0.03"]["a"]["k"] == 18
     lost = _rows(_cfg("full", correct=RIGHT) + _baselines({"h2o": {1}, "streaming_llm": RIGHT | set(range(20, 30))}))
     assert lost[key]["verdict"] == "not reproduced"
     mid = _rows(_cfg("full", correct=RIGHT) + _baselines({"h2o": set(range(17))}))[key]  # 17 vs 20: p 0.25
