@@ -51,12 +51,6 @@ def benchmark_options(name: str) -> tuple[str, BenchOptions]:
     return base, BenchOptions(**seen)
 
 
-def split_benchmark(name: str) -> tuple[str, int | None]:
-    """``math500?shuffle=7`` -> ("math500", 7): the base name and the permutation seed (see :class:`BenchOptions`)."""
-    base, opts = benchmark_options(name)
-    return base, opts.shuffle
-
-
 def base_benchmark(name: str) -> str:
     """The benchmark whose prompt and grader a spec uses (``math500?shuffle=0`` -> ``math500``)."""
     return name if name.startswith("rg:") else name.partition("?")[0]
