@@ -69,3 +69,21 @@ def test_cliff_table_in_claims_md(tmp_path):
     md = paths["claims_md"].read_text()
     assert "## Where the cliff appears" in md and "| 5-11 | 13.1 |" in md
     assert "(v2 grid, gsm8k?steps" not in md  # the strata have their own table, not a grid each
+
+
+def test_a_stratum_too_weak_for_full_is_left_out_of_the_judgement():
+    """The longest stratum where full is below 10% cannot carry a retention: the cliff is judged on the longest
+    stratum where full is strong enough, and the row says which one was left out."""
+    recs = _stratum("2", set(range(19)), gen=80) + _stratum("3-4", {0, 1}, gen=200)  # 95% -> 10%
+    recs += _stratum("5-11", set(), gen=400, full_right={0, 1})  # full 5%
+    c = _claim(recs)
+    assert c["verdict"] == "reproduced" and "judged without steps=5-11" in c["kvtier"]
+
+
+def test_c2_on_each_stratum():
+    """Beside the cliff, the hierarchy at evict's device share is judged on every stratum (claims_v2's C2 rule)."""
+    recs = _stratum("2", set(range(19)), gen=80) + _stratum("3-4", set(range(5)), gen=200)  # tiered keeps all
+    rows = {r["claim"].split(":")[0]: r for r in evaluate(recs)}
+    c2 = rows["C2 at the device share evict keeps, gsm8k?steps=3-4 (window 32)"]
+    assert c2["verdict"] == "reproduced"
+    assert rows["C2 at the device share evict keeps, gsm8k?steps=2 (window 32)"]["verdict"] == "not testable here"
