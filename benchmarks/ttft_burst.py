@@ -27,6 +27,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from step_profile import category  # the decode profile's op categories (this folder is on sys.path as a script)
 
 import kvtier
 from kvtier.serve.continuous import ContinuousEngine
@@ -77,10 +78,6 @@ def q(xs: list[float], p: float) -> float:
 
 def profile_prefill(model_name: str, dtype: str, linear: str, ids: list[list[int]], budget: int) -> dict:
     """One packed step of the first prompts that fit in ``budget`` tokens, as the engine's first step runs it."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from step_profile import category  # the same op categories as the decode profile
     from kvtier.cache.rows import RowsCache
     from kvtier.compat import cache_kw
 

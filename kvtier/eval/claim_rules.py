@@ -1,5 +1,6 @@
 """The pieces both claims tables share: the verdict vocabulary, finding a configuration in a run, pairing two on
-shared problems (accuracy, exact McNemar, identical completions), the cliff rule and the table's number formats."""
+shared problems (accuracy, exact McNemar, identical completions), the cliff rule and the table's number formats
+(quantiles of chain lengths included)."""
 
 from __future__ import annotations
 
@@ -73,6 +74,16 @@ def _acc_text(a: dict) -> str:
 def _bound(x: float) -> str:
     """An interval bound in percent: whole points from 10% up, one decimal below (a 0.51% bound is not "0")."""
     return f"{100 * x:.0f}" if x >= 0.095 else f"{100 * x:.1f}"
+
+
+def _quantile(xs: list[int], f: float) -> float:
+    """The ``f`` quantile of sorted ``xs``, linear between order statistics: the median of an even count is the
+    mean of the two middle values (the first campaign's report took the upper one: 478 where 467 is right)."""
+    k = (len(xs) - 1) * f
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    v = xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+    return int(v) if v == int(v) else round(v, 1)
 
 
 def cliff_verdict(p: dict) -> tuple[str, str]:

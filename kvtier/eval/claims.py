@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from ..policies import equal_memory_baselines
-from .claim_rules import (MIN_FULL_ACCURACY, TOO_WEAK, VERDICTS, _acc_text, _configs, _find, _pct, cliff_verdict,  # noqa: F401
-                          paired)
+from .claim_rules import (MIN_FULL_ACCURACY, TOO_WEAK, VERDICTS, _acc_text, _configs, _find, _pct, _quantile,  # noqa: F401
+                          cliff_verdict, paired)
 from .claims_cliff import cells, cliff_lines, evaluate_cliff
 from .claims_v2 import evaluate_v2, grid, grid_lines, in_run
 from .configs import full_params
@@ -151,16 +151,6 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
     if bad:
         raise AssertionError(f"verdicts outside the vocabulary {VERDICTS}: {bad}")
     return rows
-
-
-def _quantile(xs: list[int], f: float) -> float:
-    """The ``f`` quantile of sorted ``xs``, linear between order statistics: the median of an even count is the
-    mean of the two middle values (the first campaign's report took the upper one: 478 where 467 is right)."""
-    k = (len(xs) - 1) * f
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    v = xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
-    return int(v) if v == int(v) else round(v, 1)
 
 
 def chain_lengths(records: list[dict]) -> list[dict]:

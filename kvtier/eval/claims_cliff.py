@@ -11,7 +11,7 @@ asks whether evict's loss grows with chain length into the cliff.
 
 from __future__ import annotations
 
-from .claim_rules import MIN_FULL_ACCURACY, TOO_WEAK, _acc_text, _find, _pct, paired
+from .claim_rules import MIN_FULL_ACCURACY, TOO_WEAK, _acc_text, _find, _pct, _quantile, paired
 from .claims_v2 import _c2
 from .specs import benchmark_options
 
@@ -35,9 +35,9 @@ def strata(by: dict) -> list[str]:
 
 
 def _lengths(recs: list[dict]) -> dict:
+    """Generated tokens, p10 / median / p90, as the chain-length table quantiles them."""
     xs = sorted(r["generated_tokens"] for r in recs)
-    q = lambda f: xs[min(len(xs) - 1, int(round(f * (len(xs) - 1))))]  # noqa: E731 - nearest order statistic
-    return {"p10": q(0.1), "median": (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2, "p90": q(0.9)}
+    return {"p10": _quantile(xs, 0.1), "median": _quantile(xs, 0.5), "p90": _quantile(xs, 0.9)}
 
 
 def cells(by: dict) -> list[dict]:

@@ -126,6 +126,7 @@ def _baselines(ti: list[dict], base: dict[str, list[dict]], bench: str, same_inf
     """``same_info``: evict at tiered's T3 (3%, window 32), everything else on the device: it attends what tiered
     attends, so beside the baselines it tells memory from information (reported, not part of the verdict)."""
     ps = {b: paired(v, ti) for b, v in base.items()}  # tiered is "b"
+    info = paired(same_info, ti) if same_info else None
     wins = all(p["b"]["accuracy"] > p["a"]["accuracy"] and p["mcnemar_p"] < 0.05 for p in ps.values())
     loses = any(p["a"]["accuracy"] >= p["b"]["accuracy"] and p["mcnemar_p"] < 0.05 for p in ps.values())
     if wins:
@@ -141,11 +142,11 @@ def _baselines(ti: list[dict], base: dict[str, list[dict]], bench: str, same_inf
                       f"{_counts_text(answer_counts(ti))}; "
                       + "; ".join(f"{b} {_acc_text(p['a'])} (p {p['mcnemar_p']:.2g}), at the answer "
                                   f"{_counts_text(answer_counts(base[b]))}" for b, p in ps.items())
-                      + ("" if not same_info else
-                         f"; equal information (evict 0.03, window 32, all on the device) "
-                         f"{_acc_text(paired(same_info, ti)['a'])} (p {paired(same_info, ti)['mcnemar_p']:.2g})"),
+                      + ("" if info is None else
+                         f"; equal information (evict 0.03, window 32, all on the device) {_acc_text(info['a'])} "
+                         f"(p {info['mcnemar_p']:.2g})"),
             "verdict": verdict, "rule": rule,
-            "data": {**ps, **({"equal information: evict 0.03": paired(same_info, ti)} if same_info else {})}}
+            "data": {**ps, **({} if info is None else {"equal information: evict 0.03": info})}}
 
 
 def _c1(full: list[dict], ev: list[dict], w: int, bench: str) -> dict:
