@@ -32,7 +32,7 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
 
     def missing(claim, paper, what):
         rows.append({"claim": claim, "paper": paper, "kvtier": "–", "verdict": "not testable here",
-                     "rule": f"needs {what} in the run", "data": {}})
+                     "rule": f"needs {what} in the run", "data": {}, "short": "–", "n": None})
 
     full = {b: _find(by, b, "full") for b in (gsm, math)}
     v2 = {b: in_run(by, b) for b in (gsm, math)}
@@ -51,7 +51,9 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
         rows.append({"claim": name, "paper": "~0 whatever the score function",
                      "kvtier": f"full {_acc_text(p['a'])} -> evict 0.5 {_acc_text(p['b'])}; retention "
                                f"{_pct(p['retention'])}, McNemar p {p['mcnemar_p']:.2g}",
-                     "verdict": verdict, "rule": rule, "data": p})
+                     "verdict": verdict, "rule": rule, "data": p, "n": p["n"],
+                     "short": f"full {_pct(p['a']['accuracy'])} → evict 0.5 {_pct(p['b']['accuracy'])} "
+                              f"(p {p['mcnemar_p']:.2g})"})
 
     # C2: tiering holds (3% eviction)
     for bench, paper_ret in ((gsm, 0.91), (math, 0.71)):
@@ -76,7 +78,9 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
         rows.append({"claim": name, "paper": f"{100 * paper_ret:.0f}% retention",
                      "kvtier": f"full {_acc_text(p['a'])}, tiered {_acc_text(p['b'])}; retention {_pct(p['retention'])}, "
                                f"McNemar p {p['mcnemar_p']:.2g}, identical completions {_pct(p['identical'])}",
-                     "verdict": verdict, "rule": rule, "data": p})
+                     "verdict": verdict, "rule": rule, "data": p, "n": p["n"],
+                     "short": f"tiered {_pct(p['b']['accuracy'])} vs full {_pct(p['a']['accuracy'])}: "
+                              f"{_pct(p['retention'])} kept (p {p['mcnemar_p']:.2g})"})
 
     # C3: HBM independence (ordered attention: bitwise), and the eviction ratio's effect
     ordered_grid = {(h, e): _find(by, gsm, "tiered", hbm_ratio=h, evict_ratio=e, attention="ordered")
@@ -105,7 +109,11 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
                      "rule": "ordered attention makes the output independent of the T0/T1 split (Proposition 1): holds "
                              "by construction if every completion is identical across the three HBM ratios, else not "
                              "reproduced",
-                     "data": {"per_evict": per_e, "evict_spread": spread, "evict_mcnemar_p": ev_p}})
+                     "data": {"per_evict": per_e, "evict_spread": spread, "evict_mcnemar_p": ev_p},
+                     "n": min(v["n"] for v in per_e.values()),
+                     "short": "ordered path: " + ", ".join(f"{v['identical']}/{v['n']}" for v in per_e.values())
+                              + " completions bit-identical across hbm 0.3/0.5/0.7 (evict "
+                              + " and ".join(f"{e:g}" for e in per_e) + ")"})
     else:
         missing("C3 HBM independence", "p > 0.3", "tiered (attention=ordered) at hbm 0.3/0.5/0.7 x evict 0.1/0.25")
 
@@ -124,7 +132,9 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
                      "paper": "58% -> 20% (-38 points)",
                      "kvtier": f"tiered (T1 full precision) {_acc_text(p['a'])} -> quant (T2 int8) {_acc_text(p['b'])}: "
                                f"{-100 * drop:+.1f} points, McNemar p {p['mcnemar_p']:.2g}",
-                     "verdict": verdict, "rule": c4_rule, "data": p})
+                     "verdict": verdict, "rule": c4_rule, "data": p, "n": p["n"],
+                     "short": f"T1 full precision {_pct(p['a']['accuracy'])} → int8 {_pct(p['b']['accuracy'])} "
+                              f"(p {p['mcnemar_p']:.2g})"})
     else:
         missing("C4 precision sensitivity", "58% -> 20%", "tiered and quant at evict 0.05 (hbm 0.3)")
 
@@ -142,7 +152,11 @@ def evaluate(records: list[dict], gsm: str = "gsm8k", math: str = "math500?shuff
                      "kvtier": f"tiered {_acc_text(next(iter(ps.values()))['b'])}; "
                                + ", ".join(f"{b} {_acc_text(p['a'])} (p {p['mcnemar_p']:.2g})" for b, p in ps.items()),
                      "verdict": "reproduced" if wins else "not reproduced",
-                     "rule": "reproduced if the hierarchy beats every baseline with McNemar p < 0.05", "data": ps})
+                     "rule": "reproduced if the hierarchy beats every baseline with McNemar p < 0.05", "data": ps,
+                     "n": min(p["n"] for p in ps.values()),
+                     "short": f"tiered {_pct(next(iter(ps.values()))['b']['accuracy'])}; "
+                              + ", ".join(f"{b} {_pct(p['a']['accuracy'])}" for b, p in ps.items())
+                              + f" (p ≤ {max(p['mcnemar_p'] for p in ps.values()):.2g})"})
     else:
         missing("Baselines at equal device memory", "H2O 2–30%, R-KV 0–32% vs 56–65%",
                 "tiered (protect_prompt false) and the baselines at budget_ratio 0.3")

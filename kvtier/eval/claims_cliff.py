@@ -108,7 +108,14 @@ def evaluate_cliff(by: dict) -> list[dict]:
             "kvtier": "; ".join(one(r) for r in rows)
                       + (f" (judged without {', '.join(weak)}: full below {100 * MIN_FULL_ACCURACY:.0f}% there)"
                          if weak and len(usable) >= 2 else ""),
-            "verdict": verdict, "rule": rule, "data": {"strata": rows}}]
+            "verdict": verdict, "rule": rule, "data": {"strata": rows},
+            "n": f"{min(r['cells']['full']['n'] for r in rows)} per stratum",
+            "short": "evict 0.5 keeps " + " / ".join(_pct(r["cells"]["evict 0.5"]["retention"]) for r in rows)
+                     + " of full at " + " / ".join(r["benchmark"].partition("=")[2] for r in rows)
+                     + " reference steps (full " + " / ".join(_pct(r["cells"]["full"]["accuracy"]["accuracy"])
+                                                              for r in rows) + ")"
+                     + (f"; judged without {', '.join(weak)} (full below {100 * MIN_FULL_ACCURACY:.0f}%)"
+                        if weak and len(usable) >= 2 else "")}]
     for r in rows:  # C2 where the length bites: tiered at evict's device share, per stratum
         b = r["benchmark"]
         full, ev = _find(by, b, "full"), _find(by, b, "evict", evict_ratio=0.5, recent_window=WINDOW)

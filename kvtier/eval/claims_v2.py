@@ -146,7 +146,11 @@ def _baselines(ti: list[dict], base: dict[str, list[dict]], bench: str, same_inf
                          f"; equal information (evict 0.03, window 32, all on the device) {_acc_text(info['a'])} "
                          f"(p {info['mcnemar_p']:.2g})"),
             "verdict": verdict, "rule": rule,
-            "data": {**ps, **({} if info is None else {"equal information: evict 0.03": info})}}
+            "data": {**ps, **({} if info is None else {"equal information: evict 0.03": info})},
+            "n": min(p["n"] for p in ps.values()),
+            "short": f"tiered {_pct(next(iter(ps.values()))['b']['accuracy'])}; "
+                     + ", ".join(f"{b} {_pct(p['a']['accuracy'])}" for b, p in ps.items())
+                     + ("" if info is None else f"; equal information (evict 0.03) {_pct(info['a']['accuracy'])}")}
 
 
 def _c1(full: list[dict], ev: list[dict], w: int, bench: str) -> dict:
@@ -157,7 +161,9 @@ def _c1(full: list[dict], ev: list[dict], w: int, bench: str) -> dict:
             "paper": "~0 whatever the score function",
             "kvtier": f"full {_acc_text(p['a'])} -> evict 0.5 {_acc_text(p['b'])}; retention {_pct(p['retention'])}, "
                       f"McNemar p {p['mcnemar_p']:.2g}; at the answer (median per row): {_counts_text(c)}",
-            "verdict": verdict, "rule": rule, "data": {**p, "answer_counts": c, "window": w}}
+            "verdict": verdict, "rule": rule, "data": {**p, "answer_counts": c, "window": w}, "n": p["n"],
+            "short": f"full {_pct(p['a']['accuracy'])} → evict 0.5 {_pct(p['b']['accuracy'])} (p {p['mcnemar_p']:.2g})"
+                     + ("" if c is None else f"; {_pct(c['destroyed_share'])} of a row destroyed at its answer")}
 
 
 def _c2(full: list[dict], ev: list[dict], ti: list[dict], w: int, bench: str) -> dict:
@@ -180,7 +186,9 @@ def _c2(full: list[dict], ev: list[dict], ti: list[dict], w: int, bench: str) ->
             "kvtier": f"full {_acc_text(pf['a'])}; tiered {_acc_text(pf['b'])} (retention {_pct(ret)}, vs full McNemar p "
                       f"{pf['mcnemar_p']:.2g}); evict 0.5 {_acc_text(pe['a'])} (vs tiered McNemar p {pe['mcnemar_p']:.2g}); "
                       f"at the answer: tiered {_counts_text(answer_counts(ti))}, evict {_counts_text(answer_counts(ev))}",
-            "verdict": verdict, "rule": rule, "data": {"vs_full": pf, "vs_evict": pe, "window": w}}
+            "verdict": verdict, "rule": rule, "data": {"vs_full": pf, "vs_evict": pe, "window": w}, "n": pf["n"],
+            "short": f"tiered {_pct(pf['b']['accuracy'])} ({_pct(ret)} of full {_pct(pf['a']['accuracy'])}) vs evict "
+                     f"0.5 {_pct(pe['a']['accuracy'])} (p {pe['mcnemar_p']:.2g})"}
 
 
 def _c3(grid3: dict, bench: str) -> dict:
@@ -204,7 +212,10 @@ def _c3(grid3: dict, bench: str) -> dict:
                         "the three (the split path merges T0 and T1 partials in float32, so where a token lives "
                         "changes the rounding, and greedy decoding can follow a rounding)",
             "verdict": verdict, "rule": rule,
-            "data": {"n": len(common), "identical": same, "cochran_q": q, "p": p, "accuracies": accs}}
+            "data": {"n": len(common), "identical": same, "cochran_q": q, "p": p, "accuracies": accs},
+            "n": len(common),
+            "short": " / ".join(_pct(a) for a in accs) + f" at hbm 0.3 / 0.5 / 0.7 (Cochran's Q p {p:.2g}); "
+                     f"{same}/{len(common)} completions identical"}
 
 
 def grid_lines(rows: list[dict]) -> list[str]:
