@@ -220,10 +220,9 @@ def bench_serve_cmd(
                 wide.print(f"{r['concurrency']} clients, {r['policy']}: {r['failed']} request(s) failed, the first: "
                            f"{r['first_error']}", highlight=False)
         if json_out is not None:
-            import platform
+            from ..step.cpu import cpu_isa, cpu_name
 
-            cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")),
-                       platform.processor()) if Path("/proc/cpuinfo").is_file() else platform.processor()
+            cpu = f"{cpu_name()} ({cpu_isa()})"
             write_json(json_out, {"model": health.get("model", model), "device": health.get("device"), "cpu": cpu,
                                    "dtype": health.get("dtype"), "max_tokens": max_tokens, "requests_per_client": requests_per_client,
                               "max_batch": max_batch if url is None else None,

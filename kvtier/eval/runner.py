@@ -302,6 +302,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
     from transformers import StoppingCriteriaList
 
     from ..compat import cache_kw
+    from ..step.cpu import machine
     from ..tiers.tiermap import cache_codes, compact, sequence_map, token_pieces
     from .answer_step import AnswerSteps
 
@@ -331,6 +332,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
     answers.finish(len(batch), out.shape[1] - plen - 1)
     stats = cache.stats()
     codes = cache_codes(cache)
+    host = machine(model.device)  # bf16 rounds differently by CPU kind: a record says which one made it
     recs = []
     for row, (cfg, _, p, s, ph) in enumerate(batch):
         ids = out[row, plen:].tolist()
@@ -368,6 +370,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
             "streamed_bytes": stats["transfer"]["stream_h2d_bytes"] / len(batch),
             "moved_bytes": (stats["transfer"]["migration_h2d_bytes"] + stats["transfer"]["migration_d2h_bytes"]) / len(batch),
             "batch_size": len(batch),
+            "machine": host,
             "batch_seconds": dt,
             "seconds": dt / len(batch),
         })

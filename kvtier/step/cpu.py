@@ -33,3 +33,23 @@ def cpu_isa() -> str:
         return platform.machine()
     flags = line.split(":", 1)[1].split()
     return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no avx2"
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), else the platform string."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine(device: torch.device | str = "cpu") -> str:
+    """One line naming what a measurement or a record ran on, e.g. ``AMD EPYC (avx2 avx512f avx512_bf16), 2 threads``
+    or a GPU's name: bf16 results round differently on AMX, AVX512-BF16 and AVX2-only CPUs, so records say which."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{cpu_name()} ({cpu_isa()}), {torch.get_num_threads()} threads"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import DATA_DIR, REPO
 from typer.testing import CliRunner
 
@@ -23,7 +24,7 @@ FIELDS = {
     "benchmark", "id", "sample", "config_key", "policy", "params", "model", "max_new_tokens", "temperature", "top_p",
     "seed", "completion", "extracted", "gold", "correct", "prompt_tokens", "generated_tokens", "tier_tokens",
     "tier_bytes", "budget_tokens", "problem_hash", "key_inputs", "peak_device_kv_bytes", "peak_device_tokens", "streamed_bytes", "moved_bytes", "batch_size", "batch_seconds", "seconds", "tier_map",
-    "kernel", "answer_step",
+    "kernel", "answer_step", "machine",
 }
 
 
@@ -43,6 +44,7 @@ def test_eval_end_to_end_every_record_field(tmp_path, benchmark):
     assert len(recs) == 3 and len({r["id"] for r in recs}) == 3
     for r in recs:
         assert set(r) == FIELDS
+        assert r["machine"].endswith(f"{torch.get_num_threads()} threads") and "(" in r["machine"]
         assert r["benchmark"] == benchmark and r["policy"] == "tiered" and r["model"] == "random:tiny-qwen2"
         assert r["params"] == {"hbm_ratio": 0.3, "evict_ratio": 0.1, "retier_interval": 4, "recent_window": 4, "protect_prompt": False}
         assert isinstance(r["correct"], bool) and r["gold"]
