@@ -8,7 +8,10 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
+from .claim_rules import MIN_FULL_ACCURACY, _configs
 from .claims import write_claims
+from .claims_cliff import CELLS as CLIFF_CELLS
+from .claims_cliff import cells
 from .configs import (comparison, comparison_base, device_kv_bytes, device_tokens, differing_fields, eviction_ratio,
                       family, full_params, settings)
 from .records import dedupe, read_records
@@ -159,7 +162,11 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, html: b
             lines.append(f"| {h['benchmark']} | {h['params']} | {h['hbm_ratios']} | {[round(a, 3) for a in h['accuracies']]} | "
                          f"{h['cochran_q']:.3g} | {h['p_value']:.3g} | {'yes' if h['identical_outputs'] else 'no'} |")
     paths["md"].write_text("\n".join(lines) + "\n")
-    paths.update(plot_all(rows, out))
+    strata = cells(_configs(records))
+    if len(strata) >= 2:  # one figure across the strata says what their per-benchmark plots would say piecemeal
+        paths.update(plot_cliff(strata, out))
+    in_strata = {r["benchmark"] for r in strata} if len(strata) >= 2 else set()
+    paths.update(plot_all([r for r in rows if r["benchmark"] not in in_strata], out))
     if claims:
         paths.update(write_claims(records, out, model=rows[0]["key_inputs"].get("model", "") if rows[0].get("key_inputs") else ""))
     if html:
@@ -240,6 +247,47 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
         ax.legend(fontsize=8)
         paths[f"{bench}_memory"] = _save(fig, out / f"{_safe(bench)}_memory_vs_accuracy.png")
     return paths
+
+
+def plot_cliff(strata: list[dict], out: Path) -> dict[str, Path]:
+    """Accuracy and retention against chain length over the protected window, one line per configuration of the
+    cliff's cells (:func:`kvtier.eval.claims_cliff.cells`): where eviction starts to cost, and whether the hierarchy
+    at the same device share does."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [r["chain_over_window"] for r in strata]
+    labels = [r["benchmark"].partition("=")[2] for r in strata]
+    names = [n for n, _, _ in CLIFF_CELLS if any(n in r["cells"] for r in strata)]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(10.5, 4.2))
+    for i, name in enumerate(names):
+        pts = [(x, r["cells"][name]) for x, r in zip(xs, strata) if name in r["cells"]]
+        acc = [100 * c["accuracy"]["accuracy"] for _, c in pts]
+        err = [[max(0.0, a - 100 * c["accuracy"]["ci"][0]) for a, (_, c) in zip(acc, pts)],
+               [max(0.0, 100 * c["accuracy"]["ci"][1] - a) for a, (_, c) in zip(acc, pts)]]
+        style = dict(marker="osD^"[i % 4], linestyle="-" if name in ("full", "evict 0.5") else "--", capsize=3,
+                     fillstyle="none" if i == 3 else "full", color=f"C{i}")
+        ax.errorbar([x + 0.05 * (i - 1.5) for x, _ in pts], acc, yerr=err, label=name, **style)
+        ret = [(x, c["retention"]) for (x, c), r in zip(pts, strata) if c["retention"] is not None and name != "full"
+               and r["cells"]["full"]["accuracy"]["accuracy"] >= MIN_FULL_ACCURACY]  # else a ratio of noise
+        if ret:
+            ax2.plot([x for x, _ in ret], [100 * y for _, y in ret], label=name, **{k: v for k, v in style.items()
+                                                                                 if k != "capsize"})
+    for a in (ax, ax2):
+        a.set_xticks(xs, [f"{x:.1f}\n({lab} steps)" for x, lab in zip(xs, labels)])
+        a.set_xlabel(f"full's median chain / protected window ({strata[0]['window']} tokens)")
+        a.grid(alpha=0.3)
+    ax.set(ylabel="accuracy (%), 95% Wilson interval", title="GSM8K by reference steps: accuracy")
+    ax2.axhline(25, color="grey", linestyle=":", linewidth=1)
+    ax2.annotate("the cliff: <= 25% of full", (xs[0], 26), fontsize=8, color="grey")
+    weak = [lab for r, lab in zip(strata, labels) if r["cells"]["full"]["accuracy"]["accuracy"] < MIN_FULL_ACCURACY]
+    ax2.set(ylabel="retention vs full (%)", title="kept of full's accuracy"
+            + (f" (not shown: {', '.join(weak)} steps, full < {100 * MIN_FULL_ACCURACY:.0f}%)" if weak else ""))
+    ax2.title.set_fontsize(9 if weak else 12)
+    ax.legend(fontsize=8)
+    return {"cliff": _save(fig, out / "cliff_accuracy_vs_chain_length.png")}
 
 
 def _short(r: dict) -> str:

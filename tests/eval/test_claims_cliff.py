@@ -87,3 +87,20 @@ def test_c2_on_each_stratum():
     c2 = rows["C2 at the device share evict keeps, gsm8k?steps=3-4 (window 32)"]
     assert c2["verdict"] == "reproduced"
     assert rows["C2 at the device share evict keeps, gsm8k?steps=2 (window 32)"]["verdict"] == "not testable here"
+
+
+def test_report_draws_one_cliff_figure_instead_of_plots_per_stratum(tmp_path):
+    import json
+
+    from kvtier.eval.report import write_report
+
+    recs = _stratum("2", set(range(19)), gen=80) + _stratum("5-11", {0, 1}, gen=400) + _cfg("full", correct=RIGHT)
+    run = tmp_path / "run"
+    run.mkdir()
+    filled = [{"tier_tokens": {"T0": 100, "T1": 0, "T2": 0, "T3": 0}, "tier_bytes": {"T0": 1000, "T1": 0, "T2": 0}, "seconds": 1.0, **r} for r in recs]
+    (run / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in filled))
+    paths = write_report(run)
+    pngs = sorted(p.name for p in run.glob("*.png"))
+    assert "cliff_accuracy_vs_chain_length.png" in pngs and paths["cliff"].stat().st_size > 10_000
+    assert not [p for p in pngs if "steps" in p]  # the strata: in the one figure
+    assert "gsm8k_memory_vs_accuracy.png" in pngs  # a benchmark outside the strata keeps its plots
