@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..config import KERNEL_MODES  # noqa: F401 (the kernel switch, checked in config; exported here)
+from ..step.cpu import cpuinfo
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +39,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]  # OpenMP: at::
 
 def _cpu_signature() -> str:
     """The ISA this build targets (-march=native): the cpuinfo flags line, else the platform string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("flags", "Features") or platform.processor() or platform.machine()
 
 
 def build_name() -> str:

@@ -8,6 +8,18 @@ from pathlib import Path
 import torch
 
 
+def cpuinfo(*keys: str) -> str | None:
+    """The value of the first ``/proc/cpuinfo`` line starting with one of ``keys`` (stripped), or None where there
+    is no such line or no such file (one reader for the ISA probes, the names records carry and the kernel's build key)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(keys):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def cpu_bf16_native() -> bool:
     """Whether this CPU multiplies bf16 in hardware (AMX-BF16 or AVX512-BF16). Without it PyTorch converts bf16
     to fp32 inside every matmul, and fp32 is the faster choice (measured: see the README's dtype rule)."""
@@ -18,32 +30,22 @@ def cpu_bf16_native() -> bool:
             return any(bool(p()) for p in known)
         except RuntimeError:
             pass
-    try:  # older builds without the probes: the kernel's own flags
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " amx_bf16" in flags or " avx512_bf16" in flags
+    flags = (cpuinfo("flags", "Features") or "").split()  # older builds without the probes: the kernel's own flags
+    return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
 def cpu_isa() -> str:
     """The vector extensions a benchmark record names to say which CPU kind it ran on (AVX2-only, AVX512-BF16, AMX)."""
-    try:
-        line = next(x for x in Path("/proc/cpuinfo").read_text().splitlines() if x.startswith(("flags", "Features")))
-    except (OSError, StopIteration):
+    line = cpuinfo("flags", "Features")
+    if line is None:
         return platform.machine()
-    flags = line.split(":", 1)[1].split()
+    flags = line.split()
     return " ".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags) or "no avx2"
 
 
 def cpu_name() -> str:
     """The CPU's model name (``/proc/cpuinfo``), else the platform string."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 def machine(device: torch.device | str = "cpu") -> str:
