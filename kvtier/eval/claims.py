@@ -184,10 +184,12 @@ def chain_lengths(records: list[dict]) -> list[dict]:
     return sorted(out, key=lambda x: x["benchmark"])
 
 
-def write_claims(records: list[dict], out: Path, model: str = "") -> dict[str, Path]:
+def write_claims(records: list[dict], out: Path, model: str = "", strata: list[dict] | None = None) -> dict[str, Path]:
+    """claims.md and claims.json: the claim-by-claim rows, the chain lengths, the v2 grids and the cliff's strata
+    (``strata``: :func:`~kvtier.eval.claims_cliff.cells` of these records where the caller has them already)."""
     rows, chains = evaluate(records), chain_lengths(records)
     by = _configs(records)
-    strata = cells(by)
+    strata = cells(by) if strata is None else strata
     in_strata = {s["benchmark"] for s in strata}  # their own table: the cliff's
     v2 = {b: grid(by, b) for b in sorted({r["benchmark"] for r in records} - in_strata)}
     v2 = {b: g for b, g in v2.items() if g}

@@ -168,7 +168,8 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, html: b
     in_strata = {r["benchmark"] for r in strata} if len(strata) >= 2 else set()
     paths.update(plot_all([r for r in rows if r["benchmark"] not in in_strata], out))
     if claims:
-        paths.update(write_claims(records, out, model=rows[0]["key_inputs"].get("model", "") if rows[0].get("key_inputs") else ""))
+        paths.update(write_claims(records, out, model=rows[0]["key_inputs"].get("model", "") if rows[0].get("key_inputs") else "",
+                                  strata=strata))
     if html:
         from .report_html import write_html_report
 
