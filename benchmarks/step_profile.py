@@ -71,31 +71,21 @@ def label_kernel_calls() -> None:
     "attention" category), and a RowsCache layer's ``update``/``attend`` in ``kvtier::rows_<name>`` (their self time:
     the per-row Python around the kernel). The wrappers live in this script only; the library is unchanged."""
     from kvtier.attention import fused_cpu
+    from kvtier.cache.rows import RowsLayer
 
-    for name in ("attend", "attend_rows", "append_rows", "argmax_rows"):
-        fn = getattr(fused_cpu, name)
+    targets = [(fused_cpu, n, f"kvtier::{n}") for n in ("attend", "attend_rows", "append_rows", "argmax_rows")]
+    targets += [(RowsLayer, n, f"kvtier::rows_{n}") for n in ("update", "attend")]  # a function on a class: a method
+    for owner, name, label in targets:
+        fn = getattr(owner, name)
         if getattr(fn, "_labelled", False):
             continue
 
-        def wrapped(*args, _fn=fn, _label=f"kvtier::{name}", **kwargs):
+        def wrapped(*args, _fn=fn, _label=label, **kwargs):
             with torch.profiler.record_function(_label):
                 return _fn(*args, **kwargs)
 
         wrapped._labelled = True
-        setattr(fused_cpu, name, wrapped)
-    from kvtier.cache.rows import RowsLayer  # its per-row loops: the self time of these labels
-
-    for name in ("update", "attend"):
-        fn = getattr(RowsLayer, name)
-        if getattr(fn, "_labelled", False):
-            continue
-
-        def method(self, *args, _fn=fn, _label=f"kvtier::rows_{name}", **kwargs):
-            with torch.profiler.record_function(_label):
-                return _fn(self, *args, **kwargs)
-
-        method._labelled = True
-        setattr(RowsLayer, name, method)
+        setattr(owner, name, wrapped)
 
 
 def run(model_name: str, batch: int, context: int, steps: int, warmup: int, policy: str, dtype: str, out: Path,
