@@ -35,7 +35,7 @@ from ..compat import cache_kw
 from ..config import TierConfig
 from ..tiers.layout import grown_capacity
 from .engine import Engine, GenRequest, NeverFits, _safe_sink
-from .scheduler import Decision, RowNeed, WaitNeed, decide
+from .scheduler import Decision, RowNeed, WaitNeed, admit_by_count, decide
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +187,12 @@ class ContinuousEngine(Engine):
     def _schedule(self) -> int:
         with self._cv:
             waiting = list(self.waiting)
-        needs = [self._wait_need(r) for r in waiting]
-        d: Decision = decide([self._row_need(r) for r in self.rows], needs, self.budget, self.host_budget,
-                             self.cfg.on_pressure, self.cfg.max_batch)
+        if self.budget is None:
+            # only the row count decides: the rows' byte needs (tensor reads, ~40 us a row) are not gathered
+            d: Decision = admit_by_count(len(self.rows), [r.id for r in waiting], self.cfg.max_batch)
+        else:
+            d = decide([self._row_need(r) for r in self.rows], [self._wait_need(r) for r in waiting], self.budget,
+                       self.host_budget, self.cfg.on_pressure, self.cfg.max_batch)
         by_id = {r.req.id: r for r in self.rows}
         for key in d.preempt:
             self._preempt(by_id[key])

@@ -77,16 +77,20 @@ def _limit_for(target: int, col: int, reserve: int) -> int:
     return max(0, target // col - reserve)
 
 
+def admit_by_count(running: int, waiting: list[int], max_rows: int) -> Decision:
+    """Without a device budget: the oldest ``waiting`` keys, as many as the ``max_rows`` slots beside ``running``
+    rows allow. No bytes are read, so the caller need not gather them."""
+    return Decision(admit=[(key, None) for key in waiting[: max(max_rows - running, 0)]])
+
+
 def decide(rows: list[RowNeed], waiting: list[WaitNeed], budget: int | None, host_budget: int | None,
            mode: str, max_rows: int) -> Decision:
     """What to do before the next step (see the module docstring)."""
     if mode not in PRESSURE_MODES:
         raise ValueError(f"mode must be one of {PRESSURE_MODES}, got {mode!r}")
-    d = Decision()
-    room = max_rows - len(rows)
     if budget is None:
-        d.admit = [(w.key, None) for w in waiting[: max(room, 0)]]
-        return d
+        return admit_by_count(len(rows), [w.key for w in waiting], max_rows)
+    d = Decision()
     use = {r.key: (r.peak_bytes if mode == "queue" else r.next_bytes) for r in rows}
     alive = {r.key: r for r in rows}
     host = sum(r.host_next for r in rows)

@@ -29,7 +29,17 @@ def _decode(model, policy, ids, steps, events=None, **params):
             pos = torch.tensor([[c.state.n_total]])
             lg = model(input_ids=torch.tensor([[t]]), position_ids=pos, **cache_kw(model, c), use_cache=True).logits[:, -1]
             assert c.device_kv_bytes() <= bound, f"step {s}: {c.device_kv_bytes()} device bytes over the bound {bound}"
+            assert c.device_kv_bytes() == _device_bytes_naive(c), f"step {s}"
     return toks, torch.cat(logits), c
+
+
+def _device_bytes_naive(c) -> int:
+    """The reference for ``device_kv_bytes`` (which sums the sizes the state notes at each allocation): every
+    initialized layer's device buffers read now, plus staging and sliding layers."""
+    st = c.state
+    kv = sum(x.numel() * x.element_size() for layer in st.layers if layer.is_initialized
+             for x in (layer.dev_k, layer.dev_v))
+    return kv + st.engine.staging_bytes() + sum(s.device_bytes() for s in c.sliding_layers())
 
 
 IDS = torch.randint(0, 256, (120,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -58,6 +68,8 @@ def test_limit_shrinks_device_memory(qwen2):
     assert c.device_kv_bytes() <= (8 + c.tail_reserve()) * col
     assert c.row_tokens(0)["T1"] >= 120 + 30 - 8 - c.tail_reserve()
     assert c.host_kv_bytes() == c.row_tokens(0)["T1"] * col
+    c.reset()
+    assert c.device_kv_bytes() == 0
 
 
 def test_limit_refused_where_it_would_change_output(qwen2):
