@@ -541,8 +541,10 @@ def test_kernel_rows_share_one_call_and_attend_as_alone(tiny, monkeypatch):
     """A step's rows whose decode is one fused-kernel call (``full``; tiered and demoted ``full`` rows on the
     kernel's path) are attended by one kernel call across rows; the others (a ``full`` one refusing the kernel, a
     prefill) by their own layers. Each row's output and scores are bit for bit what it gets stepped alone (its own
-    layer 0's update and attend, the same q/k/v), packed or batched, mixed or all ``full``, over 240 steps (buffers
-    grow, tiered rows reassign); the call is really made, over exactly those rows."""
+    layers' update and attend, the same q/k/v), at every layer, packed or batched, mixed or all ``full``, over 240
+    steps (buffers grow, tiered rows reassign); the call is really made, over exactly those rows. The later layers
+    of a plain ``full`` row take layer 0's column and mask (``RowsLayer.lane``) except in a step where its buffers
+    grow: both happen here."""
     model, tok = tiny
     kinds = [("full", {}), ("tiered", NO_EVICT), ("full", {"kernel": "eager"}), ("full", {}), ("full", {}),
              ("full", {})]
@@ -569,32 +571,39 @@ def test_kernel_rows_share_one_call_and_attend_as_alone(tiny, monkeypatch):
     g = torch.Generator().manual_seed(3)
     cases = [(range(6), [1, 1, 1, 1, 1, 6], 4), (range(5), None, 4), ([0, 4], [1, 1], 2), ([0, 4], None, 2),
              ([1, 2], None, 1), ([2], None, None)]
+    lanes = []  # per step: did a plain full row take layer 0's column and mask / its own path at the later layers
     for which, lengths, together in cases:
         rows, alone = caches(which), caches(which)
         # the first step as given, then 240 decode steps: every buffer grows past its first 256 columns
         for step in range(241 if which != range(6) else 1):
             n = sum(lengths) if lengths else len(rows)
             shape = (1, Hq, n, D) if lengths else (n, Hq, 1, D)
-            q = torch.randn(*shape, generator=g)
-            k = torch.randn(shape[0], H, shape[2], D, generator=g)
-            v = torch.randn(shape[0], H, shape[2], D, generator=g)
             rc = RowsCache(rows, lengths=lengths)
-            calls.clear()
-            rc.layers[0].update(k, v)
-            out = rc.layers[0].attend(q, k, v, None, D ** -0.5)[0]
-            assert calls == ([together] if together else []), (list(which), lengths, calls)
-            spans = rc.spans or [(i, 1) for i in range(len(rows))]
-            for i, (s, m) in enumerate(spans):
-                one = alone[i].layers[0]  # the row's own layer: its update and attend, no RowsCache
-                cut = (lambda t: t[:, :, s : s + m]) if lengths else (lambda t: t[i : i + 1])
-                one.update(cut(k), cut(v))
-                ref = one.attend(cut(q), cut(k), cut(v), None, D ** -0.5)[0]
-                got = out[:, s : s + m] if lengths else out[i : i + 1]
-                what = f"row {i} {kinds[list(which)[i]]}, {'packed' if lengths else 'batched'}, step {step}"
-                assert torch.equal(got, ref), what
-                a, b = rows[i].state, alone[i].state
-                assert torch.equal(a.scores, b.scores) and a.layout.tiers[1].count == b.layout.tiers[1].count, what
-                if a.scores_host is not None:
-                    assert torch.equal(a.scores_host, b.scores_host), what
+            for layer in range(len(rc.layers)):
+                q = torch.randn(*shape, generator=g)
+                k = torch.randn(shape[0], H, shape[2], D, generator=g)
+                v = torch.randn(shape[0], H, shape[2], D, generator=g)
+                calls.clear()
+                rc.layers[layer].update(k, v)
+                out = rc.layers[layer].attend(q, k, v, None, D ** -0.5)[0]
+                assert calls == ([together] if together else []), (list(which), lengths, layer, calls)
+                spans = rc.spans or [(i, 1) for i in range(len(rows))]
+                for i, (s, m) in enumerate(spans):
+                    one = alone[i].layers[layer]  # the row's own layer: its update and attend, no RowsCache
+                    cut = (lambda t: t[:, :, s : s + m]) if lengths else (lambda t: t[i : i + 1])
+                    one.update(cut(k), cut(v))
+                    ref = one.attend(cut(q), cut(k), cut(v), None, D ** -0.5)[0]
+                    got = out[:, s : s + m] if lengths else out[i : i + 1]
+                    what = (f"row {i} {kinds[list(which)[i]]}, {'packed' if lengths else 'batched'}, step {step}, "
+                            f"layer {layer}")
+                    assert torch.equal(got, ref), what
+                    a, b = rows[i].state, alone[i].state
+                    assert torch.equal(a.scores, b.scores) and a.layout.tiers[1].count == b.layout.tiers[1].count, what
+                    if a.scores_host is not None:
+                        assert torch.equal(a.scores_host, b.scores_host), what
+            plain = [i for i, r in enumerate(which) if r in (0, 4) and (lengths is None or lengths[i] == 1)]
+            lanes += [rc.layers[0].lane["cols"][i] is not None for i in plain]
             if lengths:
                 lengths = [1] * len(rows)
+    # the later layers took layer 0's column and mask on most steps, and their own path where the buffers grew
+    assert sum(lanes) > len(lanes) // 2 and not all(lanes), lanes
