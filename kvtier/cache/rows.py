@@ -55,7 +55,7 @@ class RowsLayer(KVTierLayer):
         # (``rows_fused``: no scores, no reassignment) decoding in place, its tail not reallocated this step. Such a
         # row's later layers need none of its per-row bookkeeping (every layer of a cache holds the same columns and
         # the mask and positions are the cache's, not the layer's): they take the same column and region, with
-        # their own buffers. ~7 us of Python per row and layer less (32 rows x 24 layers: ~5 ms of a ~90 ms step).
+        # their own buffers (32 rows x 24 layers: 768 -> 32 calls of each a step; ~1.5 ms of a ~85 ms step).
         self.lane = lane if lane is not None else {}
         self.is_initialized = True
 
