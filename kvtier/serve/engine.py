@@ -61,8 +61,11 @@ class EngineConfig:
     device_kv_fraction: float = 0.9  # on CUDA without a budget: this share of the memory free after the weights
     host_kv_budget: int | None = None  # bytes of host K/V (T1/T2) for all rows (None: half the RAM free at start)
     on_pressure: str = "demote"  # "demote" | "queue" | "recompute" (see kvtier.serve.scheduler)
-    # continuous: prompt tokens prefilled in one step beside the running rows (whole prompts; at least one a step)
-    prefill_tokens: int = 2048
+    # continuous: prompt tokens prefilled in one step beside the running rows (whole prompts; at least one a step).
+    # 1024, not 2048: the MLP's up-projection (896 x 9728 in the 0.5B) runs ~960 GFLOP/s up to 1024 rows and ~720
+    # at 2048 (bf16, oneDNN, 2-core EPYC); served at 32 clients, 1024 gave 2-13% more tok/s, a 7% lower TTFT p99
+    # and a ~40% lower TTFT p50 (benchmarks/results/serve_prefill_tokens_2026-12-04_epyc_avx512bf16/)
+    prefill_tokens: int = 1024
     # Pack the model's linears (kvtier.step) on the engine's own thread as it starts, None: the model as given.
     # Why there: oneDNN weights reordered on the loading thread and multiplied on another ran 1.5x slower (8 rows,
     # 0.5B bf16, 2-core AMX Xeon: 125 vs 82 ms a step; reordered on the thread that multiplies, as fast as on one).
