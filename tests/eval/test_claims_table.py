@@ -3,24 +3,19 @@ one short line per picked claims row, and the README holds exactly what the comm
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from scripts import benchmark_script
 from test_claims import _cfg
 from test_claims_v2 import RIGHT, _pair
 
 from kvtier.eval.claims_table import BEGIN, END, NOT_RUN, Pick, Source, render, replace_block, table_rows
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 def _script():
-    spec = importlib.util.spec_from_file_location("readme_claims", ROOT / "benchmarks" / "readme_claims.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_script("readme_claims")
 
 
 def _run_dir(path: Path, recs: list[dict]) -> Path:

@@ -3,17 +3,11 @@ and a run the peer did not finish left out and named."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
+from scripts import benchmark_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("serve_peer_ratios", ROOT / "benchmarks" / "serve_peer_ratios.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmark_script("serve_peer_ratios")
 
 
 def _row(system, clients, label, tok_s, ttft=1.0, itl=50.0):
