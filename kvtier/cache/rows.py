@@ -50,12 +50,12 @@ class RowsLayer(KVTierLayer):
         self.layer_idx = layer_idx
         self.spans = spans  # packed step: row i's tokens are [start, start + n) of the one sequence; None: (B, 1)
         # What layer 0 found for this step, shared by the step's layers: "cols" (row i's tail column, or None) and
-        # "regions" (row i's bias and positions, or None) for each *plain full decode* row (a hybrid model's sliding
-        # layers keep their own path) — a ``full`` row
+        # "regions" (row i's bias and positions, or None) for each *plain full decode* row: a ``full`` row
         # (``rows_fused``: no scores, no reassignment) decoding in place, its tail not reallocated this step. Such a
         # row's later layers need none of its per-row bookkeeping (every layer of a cache holds the same columns and
         # the mask and positions are the cache's, not the layer's): they take the same column and region, with
-        # their own buffers (32 rows x 24 layers: 768 -> 32 calls of each a step; ~1.5 ms of a ~85 ms step).
+        # their own buffers (32 rows x 24 layers: 768 -> 32 calls of each a step; ~1.5 ms of a ~85 ms step). A
+        # hybrid model's sliding layers keep their own path.
         self.lane = lane if lane is not None else {}
         self.is_initialized = True
 
