@@ -45,6 +45,7 @@ class TieredLayer(KVTierLayer):
         self.k2 = self.v2 = None  # (B, H, cap2, D) int8 host
         self.k2s = self.v2s = None  # (B, H, cap2, 1) float32 host
         self.tail_k = self.tail_v = None  # (B, H, cap_t, D) views of dev_k / dev_v
+        self._kernel_memo = None  # the fused kernel's arguments, kept between steps (attention.tiered.kernel_regions)
         self.is_initialized = False
 
     # ---- CacheLayerMixin ---------------------------------------------------------------------

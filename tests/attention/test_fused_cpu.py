@@ -446,3 +446,43 @@ def test_argmax_rows_is_float32_argmax(dtype):
     assert fused_cpu.argmax_rows(x).tolist()[1:7] == [0, 1001, 7, 900, 33, 0]
     wide = torch.randn(4, 2000, generator=g).to(dtype)
     assert torch.equal(fused_cpu.argmax_rows(wide[:, 100:1100]), wide[:, 100:1100].float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("quant", [0.0, 0.1])
+def test_kept_kernel_arguments_equal_rebuilt_ones(qwen2, quant, monkeypatch):
+    """The fused path keeps each layer's kernel arguments between steps (attention.tiered.kernel_regions): the same
+    logits, scores and tier maps, bit for bit, as rebuilding them every step, through reassignments every 8 steps
+    (new T1/T2 buffers, a new device buffer as the tail grows); int8 T2 is dequantized from its current bytes."""
+    from kvtier.attention import tiered
+
+    ids = prompt_ids(batch=2, length=24, seed=5)
+    params = dict(hbm_ratio=0.2, evict_ratio=0.1, quant_ratio=quant, retier_interval=8, recent_window=8,
+                  sink_tokens=2, protect_prompt=False, t1_attention="host", kernel="fused")
+    builds = []
+    build = tiered._kernel_regions
+
+    def counted(*a, **k):
+        builds.append(1)
+        return build(*a, **k)
+
+    monkeypatch.setattr(tiered, "_kernel_regions", counted)
+    seq_k, log_k, c_k = generate(qwen2, "tiered", ids, new_tokens=64, **params)
+    kept = len(builds)
+    keep = tiered.kernel_regions
+
+    def rebuilt(layer, *a, **k):
+        layer._kernel_memo = None
+        return keep(layer, *a, **k)
+
+    monkeypatch.setattr(tiered, "kernel_regions", rebuilt)
+    builds.clear()
+    seq_r, log_r, c_r = generate(qwen2, "tiered", ids, new_tokens=64, **params)
+    layers = qwen2.config.num_hidden_layers
+    assert len(builds) == 63 * layers and kept < len(builds) // 2  # the kept path did keep them
+    assert torch.equal(seq_k, seq_r) and torch.equal(log_k, log_r)
+    assert torch.equal(c_k.scores(), c_r.scores()) and torch.equal(c_k.tier_map(), c_r.tier_map())
+    assert c_k.stats()["tokens"]["T1"] > 0 and (c_k.stats()["tokens"]["T2"] > 0) == (quant > 0)
+    # what each layer keeps: no dequantized copy of T2 (it would hold 3x T2's int8 bytes on the host)
+    kept_ks = [x for layer in c_k.layers for x in layer._kernel_memo[1][0]]
+    assert all(k is None or k.dtype == torch.float32 for k in kept_ks)
+    assert sum(k is None for k in kept_ks) == (layers if quant > 0 else 0)
