@@ -124,6 +124,38 @@ def _kernel_matches_the_eager_partials(dtype, D, seed, q_bf16, grp):
         assert torch.equal(scores16, scores)
 
 
+@pytest.mark.parametrize("B", [1, 3])
+def test_long_rows_fold_the_same_scores_on_any_thread_count(B):
+    """The score fold splits long rows across threads by column (chunks that cross region boundaries): the scores
+    are the same bits on one thread as on two, and match the eager partials' add_weights (float64) to float32's
+    rounding of the weights."""
+    g = torch.Generator().manual_seed(3)
+    H, D, grp = 2, 64, 7
+    regs, n_pos = _regions(max(B, 2), H, D, [1500, 3001, 700], torch.bfloat16, g)  # (it empties row 1 of region 0)
+    regs = [tuple(x[:B] for x in r) for r in regs]
+    q = torch.randn(B, H, grp, D, generator=g).to(torch.bfloat16)
+    args = [[r[i] for r in regs] for i in range(4)]
+    parts = [partial(q.double(), torch.nan_to_num(k.double()), torch.nan_to_num(v.double()), b, 0.125, True)
+             for k, v, b, _ in regs]
+    _, fs = merge(parts)
+    ref = torch.zeros(B, n_pos, dtype=torch.float64)
+    for p, f, (_, _, _, pos) in zip(parts, fs, regs):
+        add_weights(ref, pos, p.e, f, 0.01)
+    got = {}
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            sc = torch.zeros(B, n_pos, dtype=torch.float64)
+            fused_cpu.attend(q, *args, [sc] * len(regs), 0.01, 0.125)
+            got[n] = sc
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[1], got[2])
+    assert (got[1] - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert (got[1] != 0).sum() == (ref != 0).sum()  # every live column folded once, nothing else
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 24])
 def test_staged_regions_read_the_same_floats(dtype, D):

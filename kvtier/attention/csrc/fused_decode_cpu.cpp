@@ -20,6 +20,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -689,15 +690,22 @@ void run(const QO* q, QO* out, float* w, const std::vector<Region>& regs, int64_
 
 void fold_scores(const float* w, const std::vector<Region>& regs, int64_t B, int64_t H, int64_t Ctot,
                  double scale) {
-  // rows are independent; within a row kv-heads are summed in order, so the result does not depend on threads
-  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
+  // Split over (row, column), not rows alone: at batch 1 a split by rows leaves every thread but one idle. Any
+  // split gives the same floats: within a row the live columns hold distinct positions (a token lives in one
+  // place), so each accumulator cell gets at most one add per call, and each column sums its kv-heads in order.
+  // The grain keeps a short call (one small row of a rows call) on the calling thread.
+  constexpr int64_t kFoldGrain = 2048;
+  at::parallel_for(0, B * Ctot, kFoldGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t idx = begin; idx < end;) {
+      const int64_t b = idx / Ctot, j0 = idx % Ctot;
+      const int64_t j1 = std::min(Ctot, j0 + (end - idx));  // this chunk's columns of row b: [j0, j1)
       int64_t off = 0;
       for (const Region& r : regs) {
+        const int64_t lo = std::max(j0, off) - off, hi = std::min(j1, off + r.C) - off;
         const float* bias = r.bias + b * r.bs0;
         const int64_t* pos = r.pos + b * r.ps0;
         double* sc = r.scores + b * r.ss0;
-        for (int64_t j = 0; j < r.C; ++j) {
+        for (int64_t j = lo; j < hi; ++j) {
           if (bias[j] == kNegInf) continue;
           double acc = 0.0;
           for (int64_t h = 0; h < H; ++h) acc += static_cast<double>(w[(b * H + h) * Ctot + off + j]);
@@ -706,6 +714,7 @@ void fold_scores(const float* w, const std::vector<Region>& regs, int64_t B, int
         }
         off += r.C;
       }
+      idx += j1 - j0;
     }
   });
 }
