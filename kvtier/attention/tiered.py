@@ -149,22 +149,22 @@ def kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype:
     on_host = st.host_attn
     if host_tiers and not on_host:  # staged copies are new tensors every step: nothing to keep
         return _kernel_regions(layer, host_tiers, meta, dtype, kernel_stages, bias, dpos)[0]
-    # the memo holds every object of its key, so none of their ids can be reused while it is kept
-    key = (id(bias), id(dpos), id(layer.dev_k), id(layer.dev_v), id(meta), id(st.scores), id(st.scores_host),
-           id(layer.k1), id(layer.v1), id(layer.k2), id(layer.v2), tuple(host_tiers), on_host, dtype)
-    memo = getattr(layer, "_kernel_memo", None)
-    if memo is None or memo[0] != key:
+    if host_tiers:
+        st.host.jobs += 1  # one host job per layer and step, whether its lists are built or kept
+    # the lists stand while every tensor they name is the same object and nothing else that shapes them changed
+    named = (bias, dpos, layer.dev_k, layer.dev_v, meta, st.scores, st.scores_host, layer.k1, layer.v1, layer.k2,
+             layer.v2)
+    shape = (tuple(host_tiers), dtype)
+    memo = layer._kernel_memo
+    if memo is None or memo[0] != shape or any(a is not b for a, b in zip(memo[1], named)):
         args, t2 = _kernel_regions(layer, host_tiers, meta, dtype, kernel_stages, bias, dpos)
         kept = args
         if t2 is not None:  # the memo keeps T2's int8 region, not this call's dequantized copy
             kept = ([*args[0]], [*args[1]], *args[2:])
             kept[0][t2[0]] = kept[1][t2[0]] = None
-        layer._kernel_memo = (key, kept, t2, (bias, dpos, layer.dev_k, layer.dev_v, meta, st.scores, st.scores_host,
-                                              layer.k1, layer.v1, layer.k2, layer.v2))
+        layer._kernel_memo = (shape, named, kept, t2)
         return args
-    if on_host and host_tiers:
-        st.host.jobs += 1
-    _, args, t2, _ = memo
+    _, _, args, t2 = memo
     if t2 is None:
         return args
     i, region = t2
@@ -175,8 +175,8 @@ def kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype:
 
 def _kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype: torch.dtype, kernel_stages: bool,
                     bias: torch.Tensor, dpos: torch.Tensor) -> tuple[tuple, tuple[int, HostRegion] | None]:
-    """:func:`kernel_regions` built now, and ``(index, region)`` of the int8 T2 region (None without one): the
-    caller dequantizes it per call."""
+    """:func:`kernel_regions` built now (the host job is counted by the caller), and ``(index, region)`` of the
+    int8 T2 region (None without one): the caller dequantizes it per call."""
     st = layer.state
     ks, vs, biases, poss, scores = [layer.dev_k], [layer.dev_v], [bias], [dpos], [st.scores]
     staged = [False]
@@ -190,8 +190,6 @@ def _kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype
             ks.append(k), vs.append(v), biases.append(r.bias), poss.append(r.pos)
             scores.append(st.scores_host if on_host else st.scores)
             staged.append(kernel_stages and x == T1)
-        if on_host:
-            st.host.jobs += 1
     return (ks, vs, biases, poss, scores, staged), t2
 
 

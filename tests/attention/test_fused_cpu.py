@@ -515,6 +515,6 @@ def test_kept_kernel_arguments_equal_rebuilt_ones(qwen2, quant, monkeypatch):
     assert torch.equal(c_k.scores(), c_r.scores()) and torch.equal(c_k.tier_map(), c_r.tier_map())
     assert c_k.stats()["tokens"]["T1"] > 0 and (c_k.stats()["tokens"]["T2"] > 0) == (quant > 0)
     # what each layer keeps: no dequantized copy of T2 (it would hold 3x T2's int8 bytes on the host)
-    kept_ks = [x for layer in c_k.layers for x in layer._kernel_memo[1][0]]
+    kept_ks = [x for layer in c_k.layers for x in layer._kernel_memo[2][0]]
     assert all(k is None or k.dtype == torch.float32 for k in kept_ks)
     assert sum(k is None for k in kept_ks) == (layers if quant > 0 else 0)
