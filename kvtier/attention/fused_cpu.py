@@ -154,8 +154,9 @@ def attend(qg: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor], bia
         scores: per region the (B, N + 1) float64 accumulator its weights go to (regions may share one), or None.
         score_scale: factor on each weight (1 / (layers * query heads): the mean over layers and heads).
         staged: per region, whether it is streamed (``t1_attention="stream"``): each (b, h) block of its K, then
-            of its V, is copied into a staging buffer of the worker thread and read from there, so the device-side
-            copy is one block per thread rather than the layer's whole tier (:func:`take_staging_seconds`,
+            of its V, is copied chunk by chunk (:func:`staged_rows` rows) into a staging buffer of the worker
+            thread and read from there, the next chunk prefetched meanwhile, so the device-side copy is one chunk
+            per thread rather than the layer's whole tier (:func:`take_staging_seconds`,
             :func:`staging_buffer_bytes`). Same floats as reading it in place.
         sinks: (H * g,) the model's sink logit per query head (gpt-oss), or None: it joins each softmax's
             maximum and denominator and brings no value (the eager path's ``merge.sink_partial``).
@@ -234,11 +235,20 @@ def take_staging_seconds() -> float:
     return 0.0 if mod is None else mod.take_staging_ns() / 1e9 / max(1, torch.get_num_threads())
 
 
+def staged_rows(head_dim: int, dtype: torch.dtype) -> int:
+    """Rows of a staged (b, h) block the kernel copies at a time for K/V of ``head_dim`` and ``dtype`` (~32 KiB,
+    whole value tiles): a worker's staging buffer holds at most this many rows."""
+    mod = _module()
+    if mod is None:
+        raise RuntimeError("the fused CPU kernel is not available on this machine")
+    return int(mod.staged_rows(head_dim, torch.empty(0, dtype=dtype).element_size()))
+
+
 def staging_buffer_bytes() -> int:
-    """Bytes held by the workers' staging buffers (each grows to the largest block it has staged)."""
+    """Bytes held by the workers' staging buffers (each grows to the largest chunk it has staged)."""
     mod = _module()
     return 0 if mod is None else int(mod.staging_buffer_bytes())
 
 
-__all__ = ["KERNEL_MODES", "append_rows", "argmax_rows", "attend", "attend_rows", "available", "amx_dots", "bf16_dots", "build_name", "sdpa_is_faster", "staging_buffer_bytes", "use_amx",
+__all__ = ["KERNEL_MODES", "append_rows", "argmax_rows", "attend", "attend_rows", "available", "amx_dots", "bf16_dots", "build_name", "sdpa_is_faster", "staged_rows", "staging_buffer_bytes", "use_amx",
            "supports", "take_staging_seconds"]

@@ -123,9 +123,9 @@ def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], me
     if kernel_stages:
         t1 = layer._host_tensors(tiers=(T1,))
         B, H, cap, D = layer.k1.shape
-        # staging this stream needs: one (row, kv-head) block per worker thread (the kernel's buffers are the
-        # process's, shared by every cache, so their total is not this cache's)
-        block = cap * D * layer.k1.element_size()
+        # staging this stream needs: one chunk of a (row, kv-head) block per worker thread (the kernel's buffers
+        # are the process's, shared by every cache, so their total is not this cache's)
+        block = min(cap, fused_cpu.staged_rows(D, layer.k1.dtype)) * D * layer.k1.element_size()
         st.engine.count_streamed(sum(t.numel() * t.element_size() for t in t1.values()),
                                  fused_cpu.take_staging_seconds(), min(torch.get_num_threads(), B * H) * block)
     if host_tiers and not st.host_attn and (T2 in host_tiers or not kernel_stages):

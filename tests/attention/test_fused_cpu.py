@@ -159,15 +159,21 @@ def test_long_rows_fold_the_same_scores_on_any_thread_count(B):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 24])
 def test_staged_regions_read_the_same_floats(dtype, D):
-    """A region marked staged (t1_attention="stream": its (b, h) blocks copied into the worker's buffer first)
-    gives bitwise the output and scores of reading it in place, whether its rows are D apart (one copy per block)
-    or further (row by row); the copy time and the buffer are accounted."""
+    """A region marked staged (t1_attention="stream": its (b, h) blocks copied into the worker's buffer chunk by
+    chunk) gives bitwise the output and scores of reading it in place, whether its rows are D apart (one copy per
+    chunk) or further (row by row), over several chunks, with a masked stretch across a chunk boundary and a chunk
+    cut short at the region's end; the copy time and the buffer are accounted."""
     g = torch.Generator().manual_seed(3)
     B, H, grp = 2, 3, 4
-    regs, n_pos = _regions(B, H, D, [21, 150, 70], dtype, g)
+    rows = fused_cpu.staged_rows(D, dtype)
+    assert rows % 64 == 0 and (rows == 64 or rows * D * torch.empty(0, dtype=dtype).element_size() <= 32 << 10)
+    n1 = 2 * rows + 37  # three chunks, the last one short
+    regs, n_pos = _regions(B, H, D, [21, n1, 70], dtype, g)
     k2, v2, b2, p2 = regs[1]
     wide_k = torch.zeros(B, H, k2.shape[2], D + 8, dtype=dtype)  # rows D + 8 apart
     wide_k[..., :D] = k2
+    b2 = b2.clone()
+    b2[0, ..., rows - 40 : rows + 40] = float("-inf")  # whole masked 16-key blocks on both sides of a boundary
     regs[1] = (wide_k[..., :D], v2, b2, p2)
     q = torch.randn(B, H, grp, D, generator=g).to(dtype)
     outs, accs = [], []
@@ -179,7 +185,7 @@ def test_staged_regions_read_the_same_floats(dtype, D):
         accs.append(acc)
     assert torch.equal(outs[0], outs[1]) and torch.equal(accs[0], accs[1])
     assert fused_cpu.take_staging_seconds() > 0 and fused_cpu.take_staging_seconds() == 0  # taken once
-    assert fused_cpu.staging_buffer_bytes() >= 150 * D * torch.empty(0, dtype=dtype).element_size()
+    assert fused_cpu.staging_buffer_bytes() >= rows * D * torch.empty(0, dtype=dtype).element_size()
     with pytest.raises(RuntimeError, match="one flag per region"):
         fused_cpu.attend(q, [r[0] for r in regs], [r[1] for r in regs], [r[2] for r in regs], [r[3] for r in regs],
                          None, 0.01, 0.2, [True])

@@ -9,9 +9,10 @@
 // Attention sinks (gpt-oss): an optional logit per query head that joins the softmax's maximum and denominator and
 // brings no value (the eager path's sink_partial).
 // A region marked "staged" is host memory that the step streams (t1_attention="stream"): each (b, h) block of its
-// K, then of its V, is copied into a buffer of the worker thread just before that block is read, and read from
-// there. The same bytes move every step as with a whole-layer staging copy, but the device-side buffer is one
-// block per thread (it stays in cache) instead of a layer's T1. Same floats as reading the region in place.
+// K, then of its V, is copied chunk by chunk (~32 KiB) into a buffer of the worker thread just before that chunk is
+// read, and read from there, the next chunk's source prefetched meanwhile. The same bytes move every step as with a
+// whole-layer staging copy, but the device-side buffer is one chunk per thread (it stays in cache) instead of a
+// layer's T1, and the copy overlaps the arithmetic. Same floats as reading the region in place.
 // Logits of bfloat16 K with a bf16-exact query go through AMX tiles where the build has AMX-BF16 (16 keys x every
 // query head of the group per tile product), else VDPBF16PS (AVX512-BF16), else float32; K and V rows are
 // prefetched a block ahead (the tile loads and value tiles otherwise wait on memory: 32 rows x 512 tokens x 24
@@ -364,7 +365,14 @@ struct Region {
 thread_local int64_t t_caller_stage_ns = 0;
 std::atomic<int64_t> g_stage_buffer_bytes{0};
 
-// The (b, h) block of a staged region's K or V, C rows of D values at row stride rs, copied into the thread's
+// Rows of a staged region copied at a time: ~32 KiB of K or V (it stays in L1/L2 while read), in whole value tiles
+// (hence whole 16-key blocks), at least one tile.
+inline int64_t staged_rows(int64_t D, size_t elem) {
+  const int64_t rows = (int64_t{32} << 10) / (D * static_cast<int64_t>(elem)) / kValueTile * kValueTile;
+  return rows > kValueTile ? rows : kValueTile;
+}
+
+// A chunk of a staged region's (b, h) block of K or V, C rows of D values at row stride rs, copied into the thread's
 // staging buffer; returns the copy, rows D apart. The time goes to ns.
 template <typename T>
 const T* stage_block(const T* src, int64_t rs, int64_t C, int64_t D, std::vector<float>& buf, int64_t& ns) {
@@ -495,124 +503,138 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
     // column's logit is computed from whatever its slot holds and then replaced by -inf.
     int64_t off = 0;
     for (size_t ri = 0; ri < regs.size(); ++ri) {
-      Region r = region(ri);
-      const T* kb = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
-      if (r.staged) {
-        kb = stage_block(kb, r.ks2, r.C, D, stage_buf, stage_ns);
-        r.ks2 = D;
-      }
-      const float* bias = r.bias + b * r.bs0;
-      int64_t j = 0;
+      const Region r = region(ri);
+      const T* src = static_cast<const T*>(r.k) + b * r.ks0 + h * r.ks1;
+      // a staged region goes chunk by chunk (staged_rows): each chunk copied just before it is read, the next
+      // chunk's source prefetched while this one is computed (so the copy reads cache, not memory); chunks are
+      // whole 16-key blocks, so every key keeps its block, its lanes and its path: the floats do not change
+      const int64_t step = r.staged ? staged_rows(D, sizeof(T)) : (r.C > 0 ? r.C : 1);
+      for (int64_t c0 = 0; c0 < r.C; c0 += step) {
+        const int64_t n = r.C - c0 < step ? r.C - c0 : step;
+        const T* kb = src + c0 * r.ks2;
+        int64_t ks2 = r.ks2;
+        const T* pf = kb + 32 * ks2;  // in place: two blocks ahead
+        int64_t pfs = ks2;
+        if (r.staged) {
+          pf = c0 + n < r.C ? kb + n * r.ks2 : nullptr;  // the next chunk's source, row j with block j
+          kb = stage_block(kb, r.ks2, n, D, stage_buf, stage_ns);
+          ks2 = D;
+        }
+        const float* bias = r.bias + b * r.bs0 + c0;
+        const int64_t o0 = off + c0;
+        int64_t j = 0;
 #ifdef KVTIER_AMX
-      if (amx) {
-        for (; j + 16 <= r.C; j += 16) {
-          if (masked16(bias + j, s + off + j, g, Ctot)) continue;
-          // the tile loads stall on memory without this: two blocks ahead (prefetches never fault past the end)
-          prefetch_rows(kb + (j + 32) * r.ks2, r.ks2, 16, D);
-          amx_dots16(reinterpret_cast<const uint16_t*>(kb + j * r.ks2), r.ks2, D, amx_out);
-          const v16 b16 = ld16(bias + j);
-          const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                    _mm512_set1_epi32(16));
-          for (int64_t gi = 0; gi < g; ++gi) {
-            // head gi's 16 logits: column gi of the result (key u at row u)
-            const v16 col = (v16)_mm512_i32gather_ps(rows16, amx_out + gi, 4);
-            const v16 x = b16 == kNegInf ? b16 : col * scaling + b16;  // a masked slot's dot may be NaN
-            st16(s + gi * Ctot + off + j, x);
-            m16[gi] = x > m16[gi] ? x : m16[gi];
+        if (amx) {
+          for (; j + 16 <= n; j += 16) {
+            if (masked16(bias + j, s + o0 + j, g, Ctot)) continue;
+            // the tile loads stall on memory without this: two blocks ahead (prefetches never fault past the end)
+            if (pf) prefetch_rows(pf + j * pfs, pfs, 16, D);
+            amx_dots16(reinterpret_cast<const uint16_t*>(kb + j * ks2), ks2, D, amx_out);
+            const v16 b16 = ld16(bias + j);
+            const __m512i rows16 = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                      _mm512_set1_epi32(16));
+            for (int64_t gi = 0; gi < g; ++gi) {
+              // head gi's 16 logits: column gi of the result (key u at row u)
+              const v16 col = (v16)_mm512_i32gather_ps(rows16, amx_out + gi, 4);
+              const v16 x = b16 == kNegInf ? b16 : col * scaling + b16;  // a masked slot's dot may be NaN
+              st16(s + gi * Ctot + o0 + j, x);
+              m16[gi] = x > m16[gi] ? x : m16[gi];
+            }
           }
         }
-      }
 #endif
 #ifdef KVTIER_KEYS16
-      // blocks of 16 keys (float32 K, or bf16 K with bf16 dots): one query load serves 16 keys, one hsum16
-      // gives 16 logits. A float32 query over bf16 K goes by 4 (its K rows are widened into tmp).
-      if (D % 16 == 0 && (std::is_same<T, float>::value || bf16_dots)) {
-        for (; j + 16 <= r.C; j += 16) {
-          if (masked16(bias + j, s + off + j, g, Ctot)) continue;
-          const T* kj = kb + j * r.ks2;
-          prefetch_rows(kb + (j + 32) * r.ks2, r.ks2, 16, D);
-          for (int64_t gi = 0; gi < g; ++gi) {
-            v16 acc[16] = {};
+        // blocks of 16 keys (float32 K, or bf16 K with bf16 dots): one query load serves 16 keys, one hsum16
+        // gives 16 logits. A float32 query over bf16 K goes by 4 (its K rows are widened into tmp).
+        if (D % 16 == 0 && (std::is_same<T, float>::value || bf16_dots)) {
+          for (; j + 16 <= n; j += 16) {
+            if (masked16(bias + j, s + o0 + j, g, Ctot)) continue;
+            const T* kj = kb + j * ks2;
+            if (pf) prefetch_rows(pf + j * pfs, pfs, 16, D);
+            for (int64_t gi = 0; gi < g; ++gi) {
+              v16 acc[16] = {};
 #ifdef KVTIER_DPBF16
-            if (bf16_dots) {
-              const uint16_t* qg = qb + gi * D;
-              const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kj);
-              for (int64_t t2 = 0; t2 < D; t2 += 32) {
-                const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + t2);
-                for (int u = 0; u < 16; ++u)
-                  acc[u] = (v16)_mm512_dpbf16_ps((__m512)acc[u], qv,
-                                                 (__m512bh)_mm512_loadu_si512(k16 + u * r.ks2 + t2));
-              }
-            } else
+              if (bf16_dots) {
+                const uint16_t* qg = qb + gi * D;
+                const uint16_t* k16 = reinterpret_cast<const uint16_t*>(kj);
+                for (int64_t t2 = 0; t2 < D; t2 += 32) {
+                  const __m512bh qv = (__m512bh)_mm512_loadu_si512(qg + t2);
+                  for (int u = 0; u < 16; ++u)
+                    acc[u] = (v16)_mm512_dpbf16_ps((__m512)acc[u], qv,
+                                                   (__m512bh)_mm512_loadu_si512(k16 + u * ks2 + t2));
+                }
+              } else
 #endif
-            {
-              const float* qg = qh + gi * D;
-              const float* kf = reinterpret_cast<const float*>(kj);
-              for (int64_t t4 = 0; t4 < D; t4 += 16) {
-                const v16 qv = ld16(qg + t4);
-                for (int u = 0; u < 16; ++u) acc[u] += qv * ld16(kf + u * r.ks2 + t4);
+              {
+                const float* qg = qh + gi * D;
+                const float* kf = reinterpret_cast<const float*>(kj);
+                for (int64_t t4 = 0; t4 < D; t4 += 16) {
+                  const v16 qv = ld16(qg + t4);
+                  for (int u = 0; u < 16; ++u) acc[u] += qv * ld16(kf + u * ks2 + t4);
+                }
               }
+              const v16 dots = hsum16(acc);
+              const v16 b16 = ld16(bias + j);
+              const v16 x = b16 == kNegInf ? b16 : dots * scaling + b16;  // a masked slot's dot may be NaN
+              st16(s + gi * Ctot + o0 + j, x);
+              m16[gi] = x > m16[gi] ? x : m16[gi];
             }
-            const v16 dots = hsum16(acc);
-            const v16 b16 = ld16(bias + j);
-            const v16 x = b16 == kNegInf ? b16 : dots * scaling + b16;  // a masked slot's dot may be NaN
-            st16(s + gi * Ctot + off + j, x);
-            m16[gi] = x > m16[gi] ? x : m16[gi];
           }
         }
-      }
 #endif
-      if (D % 16 == 0) {
-        for (; j + 4 <= r.C; j += 4) {
-          if (bias[j] == kNegInf && bias[j + 1] == kNegInf && bias[j + 2] == kNegInf && bias[j + 3] == kNegInf) {
-            for (int64_t gi = 0; gi < g; ++gi)
-              for (int u = 0; u < 4; ++u) s[gi * Ctot + off + j + u] = kNegInf;
+        if (D % 16 == 0) {
+          for (; j + 4 <= n; j += 4) {
+            if (r.staged && pf && j % 16 == 0) prefetch_rows(pf + j * pfs, pfs, 16, D);
+            if (bias[j] == kNegInf && bias[j + 1] == kNegInf && bias[j + 2] == kNegInf && bias[j + 3] == kNegInf) {
+              for (int64_t gi = 0; gi < g; ++gi)
+                for (int u = 0; u < 4; ++u) s[gi * Ctot + o0 + j + u] = kNegInf;
+              continue;
+            }
+            const float* k0 = nullptr;
+            const float* k1 = nullptr;
+            const float* k2 = nullptr;
+            const float* k3 = nullptr;
+            if (!bf16_dots) {
+              k0 = as_float<T>(kb + j * ks2, tmp, D);
+              k1 = as_float<T>(kb + (j + 1) * ks2, tmp + D, D);
+              k2 = as_float<T>(kb + (j + 2) * ks2, tmp + 2 * D, D);
+              k3 = as_float<T>(kb + (j + 3) * ks2, tmp + 3 * D, D);
+            }
+            for (int64_t gi = 0; gi < g; ++gi) {
+              v4 dots;
+#ifdef KVTIER_DPBF16
+              if (bf16_dots) {
+                const uint16_t* kj = reinterpret_cast<const uint16_t*>(kb + j * ks2);
+                dots = dots4_bf16(qb + gi * D, kj, kj + ks2, kj + 2 * ks2, kj + 3 * ks2, D);
+              } else
+#endif
+              {
+                const float* qg = qh + gi * D;
+                v16 a = {}, c1 = {}, c2 = {}, c3 = {};
+                for (int64_t t4 = 0; t4 < D; t4 += 16) {
+                  const v16 qv = ld16(qg + t4);
+                  a += qv * ld16(k0 + t4);
+                  c1 += qv * ld16(k1 + t4);
+                  c2 += qv * ld16(k2 + t4);
+                  c3 += qv * ld16(k3 + t4);
+                }
+                dots = hsum4(a, c1, c2, c3);
+              }
+              const v4 b4 = ld4(bias + j);
+              const v4 x = b4 == kNegInf ? b4 : dots * scaling + b4;  // a masked slot's dot may be NaN
+              st4(s + gi * Ctot + o0 + j, x);
+              m4[gi] = x > m4[gi] ? x : m4[gi];
+            }
+          }
+        }
+        for (; j < n; ++j) {
+          const float bj = bias[j];
+          if (bj == kNegInf) {
+            for (int64_t gi = 0; gi < g; ++gi) s[gi * Ctot + o0 + j] = kNegInf;
             continue;
           }
-          const float* k0 = nullptr;
-          const float* k1 = nullptr;
-          const float* k2 = nullptr;
-          const float* k3 = nullptr;
-          if (!bf16_dots) {
-            k0 = as_float<T>(kb + j * r.ks2, tmp, D);
-            k1 = as_float<T>(kb + (j + 1) * r.ks2, tmp + D, D);
-            k2 = as_float<T>(kb + (j + 2) * r.ks2, tmp + 2 * D, D);
-            k3 = as_float<T>(kb + (j + 3) * r.ks2, tmp + 3 * D, D);
-          }
-          for (int64_t gi = 0; gi < g; ++gi) {
-            v4 dots;
-#ifdef KVTIER_DPBF16
-            if (bf16_dots) {
-              const uint16_t* kj = reinterpret_cast<const uint16_t*>(kb + j * r.ks2);
-              dots = dots4_bf16(qb + gi * D, kj, kj + r.ks2, kj + 2 * r.ks2, kj + 3 * r.ks2, D);
-            } else
-#endif
-            {
-              const float* qg = qh + gi * D;
-              v16 a = {}, c1 = {}, c2 = {}, c3 = {};
-              for (int64_t t4 = 0; t4 < D; t4 += 16) {
-                const v16 qv = ld16(qg + t4);
-                a += qv * ld16(k0 + t4);
-                c1 += qv * ld16(k1 + t4);
-                c2 += qv * ld16(k2 + t4);
-                c3 += qv * ld16(k3 + t4);
-              }
-              dots = hsum4(a, c1, c2, c3);
-            }
-            const v4 b4 = ld4(bias + j);
-            const v4 x = b4 == kNegInf ? b4 : dots * scaling + b4;  // a masked slot's dot may be NaN
-            st4(s + gi * Ctot + off + j, x);
-            m4[gi] = x > m4[gi] ? x : m4[gi];
-          }
+          logits_one_key(qh, as_float<T>(kb + j * ks2, tmp, D), bj, scaling, g, D, s + o0 + j, Ctot, m);
         }
-      }
-      for (; j < r.C; ++j) {
-        const float bj = bias[j];
-        if (bj == kNegInf) {
-          for (int64_t gi = 0; gi < g; ++gi) s[gi * Ctot + off + j] = kNegInf;
-          continue;
-        }
-        logits_one_key(qh, as_float<T>(kb + j * r.ks2, tmp, D), bj, scaling, g, D, s + off + j, Ctot, m);
       }
       off += r.C;
     }
@@ -634,24 +656,35 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
     std::fill(o, o + g * D, 0.f);
     off = 0;
     for (size_t ri = 0; ri < regs.size(); ++ri) {
-      Region r = region(ri);
-      const T* vb = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
-      if (r.staged) {
-        vb = stage_block(vb, r.vs2, r.C, D, stage_buf, stage_ns);
-        r.vs2 = D;
-      }
-      const float* bias = r.bias + b * r.bs0;
-      if (D % 16 == 0) {
-        for (int64_t j0 = 0; j0 < r.C; j0 += kValueTile) {
-          const int64_t j1 = j0 + kValueTile < r.C ? j0 + kValueTile : r.C;
-          for (int64_t g0 = 0; g0 < g; g0 += 8)
-            values_tile_any<T>(static_cast<int>(g - g0 < 8 ? g - g0 : 8), s + g0 * Ctot + off, Ctot, vb, r.vs2,
-                               bias, j0, j1, D, o + g0 * D);
+      const Region r = region(ri);
+      const T* src = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
+      // chunk by chunk as in pass 1 (whole value tiles; keys are summed in order either way)
+      const int64_t step = r.staged ? staged_rows(D, sizeof(T)) : (r.C > 0 ? r.C : 1);
+      for (int64_t c0 = 0; c0 < r.C; c0 += step) {
+        const int64_t n = r.C - c0 < step ? r.C - c0 : step;
+        const T* vb = src + c0 * r.vs2;
+        int64_t vs2 = r.vs2;
+        const T* pf = nullptr;
+        if (r.staged) {
+          pf = c0 + n < r.C ? vb + n * r.vs2 : nullptr;
+          vb = stage_block(vb, r.vs2, n, D, stage_buf, stage_ns);
+          vs2 = D;
         }
-      } else {
-        for (int64_t j = 0; j < r.C; ++j) {
-          if (bias[j] == kNegInf) continue;
-          add_one_value(s + off + j, Ctot, as_float<T>(vb + j * r.vs2, tmp, D), g, D, o);
+        const float* bias = r.bias + b * r.bs0 + c0;
+        const float* e = s + off + c0;
+        if (D % 16 == 0) {
+          for (int64_t j0 = 0; j0 < n; j0 += kValueTile) {
+            const int64_t j1 = j0 + kValueTile < n ? j0 + kValueTile : n;
+            if (pf) prefetch_rows(pf + j0 * r.vs2, r.vs2, j1 - j0, D);
+            for (int64_t g0 = 0; g0 < g; g0 += 8)
+              values_tile_any<T>(static_cast<int>(g - g0 < 8 ? g - g0 : 8), e + g0 * Ctot, Ctot, vb, vs2, bias, j0,
+                                 j1, D, o + g0 * D);
+          }
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            if (bias[j] == kNegInf) continue;
+            add_one_value(e + j, Ctot, as_float<T>(vb + j * vs2, tmp, D), g, D, o);
+          }
         }
       }
       off += r.C;
@@ -982,6 +1015,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::call_guard<py::gil_scoped_release>());
   m.def("take_staging_ns", []() { const int64_t ns = t_caller_stage_ns; t_caller_stage_ns = 0; return ns; },
         "nanoseconds spent copying staged blocks in this thread's calls since its last take, summed over workers");
+  m.def("staged_rows", [](int64_t D, int64_t elem) { return staged_rows(D, static_cast<size_t>(elem)); },
+        "rows of a staged region copied at a time, for head size D and elem-byte K/V");
   m.def("staging_buffer_bytes", []() { return g_stage_buffer_bytes.load(); },
         "bytes held by the worker threads' staging buffers");
   m.def("amx_dots", []() {
