@@ -158,13 +158,17 @@ class ContinuousEngine(Engine):
     def _wait_need(self, req: GenRequest) -> WaitNeed:
         from ..policies import POLICIES
 
-        n = len(req.prompt_ids) + (len(self._resumed[req.id].generated) if req.id in self._resumed else 0)
+        n = self._tokens(req)
         cls = POLICIES[req.policy]
         can_limit = getattr(cls, "family", "") in ("reference", "hierarchy") and req.params.get("rest_tier", "T1") == "T1"
         reserve = self._reserve(req)
         return WaitNeed(key=req.id, start_bytes=self._peak_bytes(n + 1), min_bytes=reserve * self.col_bytes,
                         peak_bytes=self._peak_bytes(len(req.prompt_ids) + req.max_tokens),
                         col_bytes=self.col_bytes, reserve=reserve, can_limit=can_limit, tokens=n)
+
+    def _tokens(self, req: GenRequest) -> int:
+        """Tokens a waiting request prefills when it starts: its prompt, and after a preemption what it generated."""
+        return len(req.prompt_ids) + (len(self._resumed[req.id].generated) if req.id in self._resumed else 0)
 
     def _never_fits(self, r: GenRequest, need: WaitNeed) -> str:
         """Why ``r`` cannot run even alone under the budget (the 400's message)."""
@@ -216,7 +220,7 @@ class ContinuousEngine(Engine):
         started = 0
         for key, t0 in d.admit:
             r = reqs[key]
-            n = self._wait_need(r).tokens
+            n = self._tokens(r)
             if started and prefill + n > self.cfg.prefill_tokens:
                 break  # it stays at the head of the wait list and is decided again after this step
             with self._cv:
