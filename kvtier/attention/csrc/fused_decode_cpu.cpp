@@ -392,6 +392,30 @@ const T* stage_block(const T* src, int64_t rs, int64_t C, int64_t D, std::vector
   return dst;
 }
 
+// Rows of region r a pass takes at a time: a staged region's chunk, else the whole region (at least 1).
+inline int64_t chunk_rows(const Region& r, int64_t D, size_t elem) {
+  return r.staged ? staged_rows(D, elem) : (r.C > 0 ? r.C : 1);
+}
+
+// Rows [c0, c0 + n) of a region's (b, h) block of K or V (src, rows rs apart): read in place, or (staged) from
+// the thread's staging copy, rows D apart, with the next chunk's source to prefetch (none after the last chunk).
+template <typename T>
+struct Chunk {
+  const T* p;
+  int64_t rs;
+  const T* next;
+  int64_t n;
+};
+
+template <typename T>
+Chunk<T> chunk_at(const T* src, int64_t rs, const Region& r, int64_t c0, int64_t step, int64_t D,
+                  std::vector<float>& buf, int64_t& ns) {
+  const int64_t n = r.C - c0 < step ? r.C - c0 : step;
+  const T* p = src + c0 * rs;
+  if (!r.staged) return {p, rs, nullptr, n};
+  return {stage_block(p, rs, n, D, buf, ns), D, c0 + n < r.C ? p + n * rs : nullptr, n};
+}
+
 // Whether the 16 keys at bias are all masked; if so, their logits (g rows of s, ld apart) are set to -inf.
 inline bool masked16(const float* bias, float* s, int64_t g, int64_t ld) {
   bool any = false;
@@ -508,18 +532,14 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       // a staged region goes chunk by chunk (staged_rows): each chunk copied just before it is read, the next
       // chunk's source prefetched while this one is computed (so the copy reads cache, not memory); chunks are
       // whole 16-key blocks, so every key keeps its block, its lanes and its path: the floats do not change
-      const int64_t step = r.staged ? staged_rows(D, sizeof(T)) : (r.C > 0 ? r.C : 1);
+      const int64_t step = chunk_rows(r, D, sizeof(T));
       for (int64_t c0 = 0; c0 < r.C; c0 += step) {
-        const int64_t n = r.C - c0 < step ? r.C - c0 : step;
-        const T* kb = src + c0 * r.ks2;
-        int64_t ks2 = r.ks2;
-        const T* pf = kb + 32 * ks2;  // in place: two blocks ahead
-        int64_t pfs = ks2;
-        if (r.staged) {
-          pf = c0 + n < r.C ? kb + n * r.ks2 : nullptr;  // the next chunk's source, row j with block j
-          kb = stage_block(kb, r.ks2, n, D, stage_buf, stage_ns);
-          ks2 = D;
-        }
+        const Chunk<T> c = chunk_at(src, r.ks2, r, c0, step, D, stage_buf, stage_ns);
+        const T* kb = c.p;
+        const int64_t ks2 = c.rs, n = c.n;
+        // in place: two blocks ahead; staged: the next chunk's source, its row j with this chunk's block j
+        const T* pf = r.staged ? c.next : kb + 32 * ks2;
+        const int64_t pfs = r.staged ? r.ks2 : ks2;
         const float* bias = r.bias + b * r.bs0 + c0;
         const int64_t o0 = off + c0;
         int64_t j = 0;
@@ -659,17 +679,12 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
       const Region r = region(ri);
       const T* src = static_cast<const T*>(r.v) + b * r.vs0 + h * r.vs1;
       // chunk by chunk as in pass 1 (whole value tiles; keys are summed in order either way)
-      const int64_t step = r.staged ? staged_rows(D, sizeof(T)) : (r.C > 0 ? r.C : 1);
+      const int64_t step = chunk_rows(r, D, sizeof(T));
       for (int64_t c0 = 0; c0 < r.C; c0 += step) {
-        const int64_t n = r.C - c0 < step ? r.C - c0 : step;
-        const T* vb = src + c0 * r.vs2;
-        int64_t vs2 = r.vs2;
-        const T* pf = nullptr;
-        if (r.staged) {
-          pf = c0 + n < r.C ? vb + n * r.vs2 : nullptr;
-          vb = stage_block(vb, r.vs2, n, D, stage_buf, stage_ns);
-          vs2 = D;
-        }
+        const Chunk<T> c = chunk_at(src, r.vs2, r, c0, step, D, stage_buf, stage_ns);
+        const T* vb = c.p;
+        const T* pf = c.next;
+        const int64_t vs2 = c.rs, n = c.n;
         const float* bias = r.bias + b * r.bs0 + c0;
         const float* e = s + off + c0;
         if (D % 16 == 0) {
