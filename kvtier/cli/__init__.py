@@ -17,7 +17,10 @@ from . import generate, serve, evals, bench, plan  # noqa: F401
 # isort: on
 from .common import app
 
-__all__ = ["app", "main"]
+__all__ = ["DEBUG_FORMAT", "app", "main"]
+
+# KVTIER_LOG=debug lines carry their time (benchmarks/serve_steps.py reads the served steps' timing from them)
+DEBUG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def main() -> None:
@@ -25,6 +28,6 @@ def main() -> None:
     if level not in LOG_LEVELS:  # before any command runs: one line, as the commands' own errors
         print(f"error: KVTIER_LOG must be one of {', '.join(LOG_LEVELS)}, got {level!r}", file=sys.stderr)
         raise SystemExit(2)
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    logging.basicConfig(level=level.upper(), format=DEBUG_FORMAT
                         if level == "debug" else "%(levelname)s %(name)s: %(message)s")
     app()

@@ -283,6 +283,15 @@ def test_a_burst_is_prefilled_in_shared_steps_beside_the_running_rows(tiny, pref
                                                      for r in caplog.records) if m]
     assert [(n, t) for _, n, t in logged if n] == joined
     assert len(logged) == eng.metrics.steps
+    # the same lines as `kvtier serve` writes them, read back by benchmarks/serve_steps.py
+    from kvtier.cli import DEBUG_FORMAT
+    from scripts import benchmark_script
+
+    fmt = logging.Formatter(DEBUG_FORMAT)
+    text = "\n".join(fmt.format(r) for r in caplog.records)
+    parsed = benchmark_script("serve_steps").parse(text)
+    assert [(s["rows"], s["joining"], s["prompt_tokens"]) for s in parsed] == logged
+    assert [s["step"] for s in parsed] == list(range(parsed[0]["step"], parsed[0]["step"] + len(parsed)))
     assert running.sink.text == _alone(model, tok, running)
     for r in burst:
         assert r.sink.end[0] == "done" and r.sink.text == _alone(model, tok, r), f"request {r.id} ({r.policy})"
