@@ -2,6 +2,8 @@
 
     python benchmarks/serve_steps.py SERVER.log [--json OUT.json]
 
+A log that several servers appended to (serve_peer.py's, over runs) is read run by run (the step count restarts).
+
 Each debug line ``step N: R rows, J joining with P prompt tokens, X ms`` is one forward (timed from building the
 step's cache view to the last row's token drawn). Prints: the span from the first step's start to the last step's
 end, the time inside steps and between them (the loop's own scheduling, and anything that kept the engine thread
@@ -34,6 +36,16 @@ def parse(text: str) -> list[dict]:
     return steps
 
 
+def runs(steps: list[dict]) -> list[list[dict]]:
+    """The steps split by server run: a log appended to by several servers restarts its step count at each."""
+    out: list[list[dict]] = []
+    for s in steps:
+        if not out or s["step"] <= out[-1][-1]["step"]:
+            out.append([])
+        out[-1].append(s)
+    return out
+
+
 def summary(steps: list[dict]) -> dict:
     if not steps:
         raise ValueError("no step lines: was the server run with KVTIER_LOG=debug and the continuous scheduler?")
@@ -59,7 +71,17 @@ def main() -> None:
     ap.add_argument("log", type=Path)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
-    s = summary(parse(args.log.read_text(errors="replace")))
+    found = runs(parse(args.log.read_text(errors="replace"))) or [[]]
+    out = []
+    for i, steps in enumerate(found, 1):
+        if len(found) > 1:
+            print(f"server run {i} of {len(found)}:")
+        out.append(report(summary(steps)))
+    if args.json:
+        args.json.write_text(json.dumps(out if len(out) > 1 else out[0], indent=1) + "\n")
+
+
+def report(s: dict) -> dict:
     print(f"{s['steps']} steps over {s['span_s']:.2f} s: {s['inside_s']:.2f} s inside steps, "
           f"{s['between_s']:.2f} s between them")
     print("decode-only steps, median ms by rows: " + ", ".join(
@@ -68,8 +90,7 @@ def main() -> None:
         print(f"{s['join_steps']} steps with a joining prefill ({s['join_prompt_tokens']} prompt tokens): "
               f"{s['join_ms_total'] / 1e3:.2f} s in all, {s['join_extra_ms_total'] / 1e3:.2f} s beyond decode steps "
               f"of their running rows (median {s['join_extra_ms_median'] or 0:.1f} ms each)")
-    if args.json:
-        args.json.write_text(json.dumps(s, indent=1) + "\n")
+    return s
 
 
 if __name__ == "__main__":

@@ -34,3 +34,11 @@ def test_a_log_without_step_lines_says_how_to_get_them():
     mod = benchmark_script("serve_steps")
     with pytest.raises(ValueError, match="KVTIER_LOG=debug"):
         mod.summary(mod.parse("INFO kvtier: serving\n"))
+
+
+def test_a_log_of_two_server_runs_is_read_run_by_run():
+    mod = benchmark_script("serve_steps")
+    second = LOG.replace("17:00:00", "17:05:00")
+    found = mod.runs(mod.parse(LOG + second))
+    assert [len(r) for r in found] == [5, 5]
+    assert mod.summary(found[1])["span_s"] == pytest.approx(0.34, abs=1e-6)
