@@ -11,13 +11,15 @@ ROUNDS="${3:-2}"
 cd "$(dirname "$0")/.."
 ROOT="$PWD"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
-SRC="$(mktemp -d)/base"
+TMP="$(mktemp -d)"
+trap 'rm -rf "$TMP"' EXIT  # the base's clone goes whether the runs finish or fail
+SRC="$TMP/base"
 git clone -q "$ROOT" "$SRC"
 git -C "$SRC" checkout -q "$BASE"
 mkdir -p "$OUT"
+lscpu > "$OUT/lscpu.txt"
 { echo "base $(git -C "$SRC" rev-parse --short HEAD), new $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + working tree')"
-  lscpu | grep -E "Model name|^CPU\(s\)"
-  lscpu | grep -oE "avx512_bf16|amx_bf16|avx512f|avx2" | sort -u | tr '\n' ' '; echo; } > "$OUT/conditions.txt"
+  PYTHONPATH="$ROOT" "$PY" -c "from kvtier.step.cpu import machine; print(machine())"; } > "$OUT/conditions.txt"
 run() {  # run TAG TREE
   mkdir -p "$OUT/$1"
   KVTIER="env PYTHONPATH=$2 $PY -m kvtier" bash "$ROOT/benchmarks/cpu_decode_matrix.sh" "$OUT/$1" bf16 tiered
@@ -28,4 +30,3 @@ for r in $(seq 1 "$ROUNDS"); do
     if [ "$side" = base ]; then run "${r}_base" "$SRC"; else run "${r}_new" "$ROOT"; fi
   done
 done
-rm -rf "$(dirname "$SRC")"

@@ -37,10 +37,10 @@ def table(found: list[dict]) -> str:
     pick = {(r["point"], r["round"], r["side"], r["config"]): r for r in found}
     for point, rnd, side in runs:
         full = pick.get((point, rnd, side, "full"))
-        cells = [f"{pick[(point, rnd, side, c)]['vs_full']:.3f}" if (point, rnd, side, c) in pick else "–"
-                 for c in ("tiered/host", "tiered/stream")]
-        lines.append(f"| {point} | {rnd} | {side} | {full['ms']:.1f} | {cells[0]} | {cells[1]} |" if full else
-                     f"| {point} | {rnd} | {side} | – | {cells[0]} | {cells[1]} |")
+        cells = [f"{full['ms']:.1f}" if full else "–"]
+        cells += [f"{pick[(point, rnd, side, c)]['vs_full']:.3f}" if (point, rnd, side, c) in pick else "–"
+                  for c in ("tiered/host", "tiered/stream")]
+        lines.append(f"| {point} | {rnd} | {side} | {' | '.join(cells)} |")
     lines += ["", "| point | tiered mode | base (median over runs) | new (median over runs) |", "|---|---|---|---|"]
     for point in sorted({r["point"] for r in found}):
         for mode in ("tiered/host", "tiered/stream"):

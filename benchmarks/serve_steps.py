@@ -76,7 +76,10 @@ def main() -> None:
     for i, steps in enumerate(found, 1):
         if len(found) > 1:
             print(f"server run {i} of {len(found)}:")
-        out.append(report(summary(steps)))
+        try:
+            out.append(report(summary(steps)))
+        except ValueError as e:  # a log without step lines: one line, not a traceback
+            raise SystemExit(f"error: {args.log}: {e}") from None
     if args.json:
         args.json.write_text(json.dumps(out if len(out) > 1 else out[0], indent=1) + "\n")
 
