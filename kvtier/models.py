@@ -406,14 +406,14 @@ def peek_position_limit(name: str) -> int | None:
 def load_model(name_or_path: str, device: str = "auto", dtype="auto", seed: int = 0, linear: str | None = None):
     """Load ``(model, tokenizer)`` from a hub id, local dir, ``.gguf`` file, the embedded name or ``random:<preset>``.
 
-    ``linear``: how the decode step's projections run on CPU (:mod:`kvtier.step.linear`): ``auto`` (default, or
-    ``$KVTIER_LINEAR``) prepacks them where that is measured faster, ``packed`` always, ``eager`` never (stock
-    ``F.linear``, bit for bit)."""
-    from .step import linear_mode, pack_linears
+    ``linear``: how the decode step runs on CPU (:mod:`kvtier.step`): ``auto`` (default, or ``$KVTIER_LINEAR``)
+    prepacks the projections where that is measured faster and fuses the RMSNorms, ``packed`` packs always,
+    ``eager`` neither (stock ``F.linear`` and the model's own norms, bit for bit)."""
+    from .step import linear_mode, prepare_step
 
     mode = linear_mode(linear)
     model, tok = _load(name_or_path, device, dtype, seed)
-    pack_linears(model, mode)
+    prepare_step(model, mode)
     return model, tok
 
 

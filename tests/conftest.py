@@ -75,6 +75,16 @@ def llama():
     return random_model("tiny-llama", dtype=torch.float32)
 
 
+@pytest.fixture(scope="session")
+def qwen2_fast():
+    """tiny-qwen2 with the prepared CPU step (kvtier.step.prepare_step: packed linears, fused norms)."""
+    from kvtier.step import prepare_step
+
+    model = random_model("tiny-qwen2", dtype=torch.float32)
+    prepare_step(model, "packed")
+    return model
+
+
 def prompt_ids(batch=1, length=16, seed=0, vocab=256):
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, length), generator=g)

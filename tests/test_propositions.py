@@ -11,10 +11,11 @@ import kvtier
 from kvtier.compat import cache_kw
 
 
-@pytest.mark.parametrize("model_name", ["qwen2", "llama"])
+@pytest.mark.parametrize("model_name", ["qwen2", "llama", "qwen2_fast"])
 def test_proposition1_output_independent_of_hbm_ratio(model_name, request):
     """Proposition 1: with nothing evicted or quantized, where kept tokens live changes nothing (bit-exact with
-    the ordered attention, which fixes the summation order)."""
+    the ordered attention, which fixes the summation order); on the stock step and the prepared one
+    (``qwen2_fast``: packed linears, fused norms)."""
     model = request.getfixturevalue(model_name)
     ids = prompt_ids(length=16)
     ref_seq, ref_logits, _ = generate(model, "full", ids, new_tokens=128, attention="ordered")
@@ -32,11 +33,13 @@ def test_proposition1_output_independent_of_hbm_ratio(model_name, request):
         assert st["tokens"]["T3"] == 0
 
 
-def test_proposition1_with_eviction_only_evicted_set_matters(qwen2):
+@pytest.mark.parametrize("model_name", ["qwen2", "qwen2_fast"])
+def test_proposition1_with_eviction_only_evicted_set_matters(model_name, request):
     """At a fixed eviction ratio, the HBM ratio changes no logit: the output depends on T3 only."""
+    model = request.getfixturevalue(model_name)
     ids = prompt_ids(length=16, seed=1)
     runs = [
-        generate(qwen2, "tiered", ids, new_tokens=96, hbm_ratio=h, evict_ratio=0.25, retier_interval=8,
+        generate(model, "tiered", ids, new_tokens=96, hbm_ratio=h, evict_ratio=0.25, retier_interval=8,
                  recent_window=8, sink_tokens=2, attention="ordered")
         for h in (0.0, 0.3, 0.75)
     ]

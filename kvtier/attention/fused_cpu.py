@@ -42,12 +42,14 @@ def _cpu_signature() -> str:
     return cpuinfo("flags", "Features") or platform.processor() or platform.machine()
 
 
-def build_name() -> str:
+def build_name(src: Path = _SRC, prefix: str = "kvtier_fused_cpu") -> str:
+    """``<prefix>_<hash>``: the hash of ``src``, the flags, torch's version and this CPU's ISA flags (a build is
+    never loaded by another source, torch or CPU kind)."""
     h = hashlib.sha256()
-    for part in (_SRC.read_bytes(), " ".join(_FLAGS).encode(), torch.__version__.encode(), _cpu_signature().encode()):
+    for part in (src.read_bytes(), " ".join(_FLAGS).encode(), torch.__version__.encode(), _cpu_signature().encode()):
         h.update(part)
         h.update(b"\0")
-    return f"kvtier_fused_cpu_{h.hexdigest()[:16]}"
+    return f"{prefix}_{h.hexdigest()[:16]}"
 
 
 def build_dir(name: str) -> Path:

@@ -36,9 +36,10 @@ def bench(
     attention: str = typer.Option("split", help="comma-separated attention modes to time: split, ordered"),
     t1_attention: str = typer.Option("auto", help="comma-separated T1 modes to time in split mode: stream, host, auto"),
     kernel: str = typer.Option("auto", help="comma-separated split-step implementations to time: auto, fused, eager"),
-    linear: Optional[str] = typer.Option(None, help="comma-separated ways to run the model's projections, one model "
-                                                    "load each: auto, packed (oneDNN-prepacked), eager (stock "
-                                                    "F.linear); default: kvtier --linear, else auto"),
+    linear: Optional[str] = typer.Option(None, help="comma-separated ways to run the model's step, one model load "
+                                                    "each: auto, packed (oneDNN-prepacked projections; both fuse the "
+                                                    "RMSNorms), eager (stock F.linear and norms); default: kvtier "
+                                                    "--linear, else auto"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),

@@ -58,9 +58,10 @@ DEBUG = {"on": False}
 
 @app.callback()
 def _main(debug: bool = typer.Option(False, "--debug", help="show Python tracebacks instead of one-line errors"),
-          linear: Optional[str] = typer.Option(None, "--linear", help="how every command runs the model's projections "
-                                               "on CPU: auto (prepacked where measured faster), packed, eager (stock "
-                                               "F.linear, for debugging); sets KVTIER_LINEAR")):
+          linear: Optional[str] = typer.Option(None, "--linear", help="how every command runs the model's step on "
+                                               "CPU: auto (projections prepacked where measured faster, RMSNorms "
+                                               "fused), packed, eager (stock F.linear and norms, bit for bit, for "
+                                               "debugging); sets KVTIER_LINEAR")):
     """Tiered KV cache for reasoning LLMs."""
     DEBUG["on"] = debug
     if linear is not None:

@@ -66,7 +66,8 @@ class EngineConfig:
     # at 2048 (bf16, oneDNN, 2-core EPYC); served at 32 clients, 1024 gave 2-13% more tok/s, a 7% lower TTFT p99
     # and a ~40% lower TTFT p50 (benchmarks/results/serve_prefill_tokens_2026-12-04_epyc_avx512bf16/)
     prefill_tokens: int = 1024
-    # Pack the model's linears (kvtier.step) on the engine's own thread as it starts, None: the model as given.
+    # Prepare the model's step (kvtier.step.prepare_step: packed linears, fused norms) on the engine's own thread as
+    # it starts, None: the model as given.
     # Why there: oneDNN weights reordered on the loading thread and multiplied on another ran 1.5x slower (8 rows,
     # 0.5B bf16, 2-core AMX Xeon: 125 vs 82 ms a step; reordered on the thread that multiplies, as fast as on one).
     linear: str | None = None
@@ -306,11 +307,12 @@ class Engine:
             def run() -> None:
                 try:
                     if self.cfg.linear is not None:
-                        from ..step import pack_linears
+                        from ..step import prepare_step
 
-                        pack_linears(self.model, self.cfg.linear)
+                        prepare_step(self.model, self.cfg.linear)
                 except Exception:
-                    log.exception("packing the model's linears failed; serving with them as loaded")
+                    log.exception("preparing the model's step (packed linears, fused norms) failed; serving it as "
+                                  "loaded")
                 finally:
                     prepared.set()
                 self._loop()

@@ -1,12 +1,25 @@
-"""The decode step outside the attention: the model's own layers made fast on CPU (prepacked, fused linears).
+"""The decode step outside the attention: the model's own layers made fast on CPU (prepacked, fused linears, fused norms).
 
 The attention has its own kernels (:mod:`kvtier.attention`); this package owns the rest of the step, which on a
-CPU is most of it. :func:`kvtier.load_model` applies :func:`pack_linears` by default (``linear="auto"``).
+CPU is most of it. :func:`kvtier.load_model` applies :func:`prepare_step` by default (``linear="auto"``).
 """
+
+from __future__ import annotations
+
+from torch import nn
 
 from .linear import LINEAR_MODES, FusedLinear, PackedLinear, linear_mode, linear_reference, pack_linears, packed_count, \
     packs_by_default, step_weight_bytes, expert_weights
 from .malloc import keep_freed_memory
+from .norm import FusedRMSNorm, fuse_norms, fused_norm_count, rms_norm_reference
 
-__all__ = ["LINEAR_MODES", "FusedLinear", "PackedLinear", "linear_mode", "linear_reference", "pack_linears", "packed_count",
-           "packs_by_default", "step_weight_bytes", "expert_weights", "keep_freed_memory"]
+
+def prepare_step(model: nn.Module, mode: str | None = None) -> tuple[int, int]:
+    """Make ``model``'s CPU step fast as ``mode`` says (:func:`linear_mode`; ``eager``: untouched, the stock step bit
+    for bit): pack its linears, fuse its norms. Returns (linears packed, norms fused)."""
+    return pack_linears(model, mode), fuse_norms(model, mode)
+
+
+__all__ = ["LINEAR_MODES", "FusedLinear", "FusedRMSNorm", "PackedLinear", "linear_mode", "linear_reference", "pack_linears",
+           "packed_count", "packs_by_default", "step_weight_bytes", "expert_weights", "keep_freed_memory", "fuse_norms",
+           "fused_norm_count", "prepare_step", "rms_norm_reference"]

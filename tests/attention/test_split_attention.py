@@ -54,7 +54,7 @@ def test_partials_merge_to_the_softmax_over_the_union(seed):
 GRID = [(h, e, qr) for h in (0.0, 0.1, 0.5, 1.0) for e in (0.0, 0.25) for qr in (0.0, 0.1) if h + e + qr <= 1.0]
 
 
-@pytest.mark.parametrize("model_name", ["qwen2", "llama"])
+@pytest.mark.parametrize("model_name", ["qwen2", "llama", "qwen2_fast"])
 def test_split_matches_ordered(model_name, request):
     """Acceptance 1: same tokens, logits within 1e-5, cumulative scores within 1e-6 (fp32, GQA, 128 tokens,
     a reassignment every 8 steps), across HBM / eviction / quantization ratios. Scores grow with the chain (up to

@@ -1,0 +1,122 @@
+"""Fused RMSNorm for the CPU decode step: the model's norm modules replaced by one kernel call each.
+
+Why: a transformers Llama/Qwen ``RMSNorm`` is eight eager ops (widen, square, mean, add, rsqrt, multiply, narrow,
+weight multiply) on a vector of one row per sequence; at decode their dispatch, not their arithmetic, is the cost.
+The 0.5B model runs 49 of them a step: replacing them by one call of ``csrc/step_cpu.cpp`` each took serve's whole
+8-row step from 65 to 62 ms and the one-row step from 60 to 56 ms in bf16 (2-core AMX Xeon, measured side by side;
+``benchmarks/results/fused_norm_*``).
+
+Exactness: the kernel computes what the module computes — the row widened to float32, its mean square in float32,
+``x * rsqrt(ms + eps)`` rounded to the input dtype, times the weight in the input dtype — except the order of the
+float32 sum of squares. A different last bit of the mean square moves a bf16 output by one unit in ~6 of a million
+elements (float32: one float32 unit in ~1 of 4); :func:`rms_norm_reference` is the module's math, and
+``tests/step/test_norm.py`` bounds the two against each other and the whole step against the eager model. A row's
+result does not depend on the other rows (same per-row order at any batch size and thread count).
+
+Only modules whose ``forward`` is exactly transformers' Llama form (:data:`LLAMA_FORM`: Llama, Qwen2, Qwen3, Mistral,
+Phi-3 ...) are replaced; other norms (Gemma's ``1 + weight``, gpt-oss's float32 weight product) keep their own.
+The mode is the step's (:func:`kvtier.step.linear.linear_mode`): ``eager`` replaces nothing (the stock step, bit for
+bit); ``auto`` and ``packed`` replace the CPU norms where the kernel builds.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .linear import linear_mode
+
+log = logging.getLogger(__name__)
+
+_SRC = Path(__file__).parent / "csrc" / "step_cpu.cpp"
+
+# transformers' Llama RMSNorm forward (5.4-5.24), whitespace removed: the math the kernel implements
+LLAMA_FORM = ("input_dtype=hidden_states.dtypehidden_states=hidden_states.to(torch.float32)variance=hidden_states.pow(2)"
+              ".mean(-1,keepdim=True)hidden_states=hidden_states*torch.rsqrt(variance+self.variance_epsilon)return"
+              "self.weight*hidden_states.to(input_dtype)")
+
+
+@lru_cache(maxsize=1)
+def _module():
+    """The built ``step_cpu`` extension, or None where it cannot be built (``KVTIER_KERNEL=eager``, no compiler)."""
+    from ..attention import fused_cpu  # the one build recipe (and its switch); imported here: it imports step.cpu
+
+    if not fused_cpu.available():
+        return None
+    try:
+        name = fused_cpu.build_name(_SRC, "kvtier_step_cpu")
+        return fused_cpu.build(name, _SRC, fused_cpu.build_dir(name))
+    except Exception as exc:  # noqa: BLE001 - the eager norms still work
+        log.warning("kvtier: the fused CPU norm could not be built (%s); keeping the model's own norms",
+                    type(exc).__name__)
+        return None
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The naive path the kernel is tested against: transformers' Llama RMSNorm, op by op. ``x`` (..., D)."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x`` (..., D) -> (..., D): the kernel where it runs this input (CPU, float32 or bf16, the weight's dtype, no
+    gradient wanted), else :func:`rms_norm_reference`."""
+    mod = _module()
+    if (mod is None or x.device.type != "cpu" or x.dtype != weight.dtype or x.dtype not in (torch.float32, torch.bfloat16)
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return rms_norm_reference(x, weight, eps)
+    return mod.rms_norm(x, weight, eps)
+
+
+class FusedRMSNorm(nn.Module):
+    """Holds the replaced module's weight (the same parameter) and epsilon; ``forward`` is :func:`rms_norm`."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.weight = norm.weight
+        self.variance_epsilon = norm.variance_epsilon
+        self.replaced = type(norm).__name__
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fused (was {self.replaced})"
+
+
+@lru_cache(maxsize=None)
+def llama_form(cls: type) -> bool:
+    """Whether ``cls.forward`` is transformers' Llama RMSNorm (:data:`LLAMA_FORM`), read from its source."""
+    try:
+        src = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    head_end = src.find(":\n")  # the end of the def line(s)
+    return head_end > 0 and "".join(src[head_end + 2 :].split()) == LLAMA_FORM
+
+
+def fuse_norms(model: nn.Module, mode: str | None = None) -> int:
+    """Replace the model's CPU RMSNorm modules of the Llama form by :class:`FusedRMSNorm` (mode ``auto`` or
+    ``packed``, where the kernel builds); returns how many were replaced. For inference: the kernel takes no
+    gradients (an input that wants one takes the reference path)."""
+    if linear_mode(mode) == "eager":
+        return 0
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if llama_form(type(child)) and isinstance(getattr(child, "weight", None), torch.Tensor)
+               and child.weight.device.type == "cpu"]
+    if not targets or _module() is None:
+        return 0
+    for parent, name in targets:
+        setattr(parent, name, FusedRMSNorm(getattr(parent, name)))
+    log.info("fused %d RMSNorm modules (one kernel call each)", len(targets))
+    return len(targets)
+
+
+def fused_norm_count(model: nn.Module) -> int:
+    return sum(isinstance(m, FusedRMSNorm) for m in model.modules())
