@@ -2,7 +2,8 @@
 
     python benchmarks/bench_table.py benchmarks/results/cpu_epyc_fused_2026-12-02 > .../summary.md
 
-Columns: kvtier ``full``'s median step and its ratio to the faster stock path (StaticCache or DynamicCache + SDPA),
+Columns: kvtier ``full``'s median step and its ratio to the faster stock path (StaticCache or DynamicCache + SDPA;
+"–" in a run without them),
 then every other kvtier configuration as its speed vs ``full`` (median step of full / median step of it), all
 from one interleaved run, so each ratio is side by side on one machine state.
 """
@@ -38,8 +39,9 @@ def rows(run_dir: Path) -> tuple[list[str], list[list[str]]]:
         for k in cells:
             if k not in cols:
                 cols.append(k)
+        stock = full.get("median_ratio_to_stock")  # None: a run without the stock caches (--no-stock)
         out.append((f"{cfg['context']}", f"{cfg['batches'][0]} ({cfg['dtype']})",
-                    f"{full['ms_per_step_median']:.0f} ms, {full['median_ratio_to_stock']:.2f}×", cells))
+                    f"{full['ms_per_step_median']:.0f} ms, " + ("–" if stock is None else f"{stock:.2f}×"), cells))
     table = []
     for ctx, batch, full, cells in out:
         table.append([ctx, batch, full] + [cells.get(c, "–") for c in cols])
