@@ -3,13 +3,14 @@
 Why: a transformers Llama/Qwen ``RMSNorm`` is eight eager ops (widen, square, mean, add, rsqrt, multiply, narrow,
 weight multiply) on a vector of one row per sequence; at decode their dispatch, not their arithmetic, is the cost.
 The 0.5B model runs 49 of them a step: replacing them by one call of ``csrc/step_cpu.cpp`` each took serve's whole
-8-row step from 65 to 62 ms and the one-row step from 60 to 56 ms in bf16 (2-core AMX Xeon, measured side by side;
-``benchmarks/results/fused_norm_*``).
+rows step at 512 tokens from 61.0 to 58.5 ms at one row, 69.0 to 66.1 at eight and 110.3 to 102.5 at 32 in bf16
+(2-core AMX Xeon, side by side in one process; ``benchmarks/results/fused_norm_2026-12-05_xeon_amx/``).
 
 Exactness: the kernel computes what the module computes — the row widened to float32, its mean square in float32,
 ``x * rsqrt(ms + eps)`` rounded to the input dtype, times the weight in the input dtype — except the order of the
-float32 sum of squares. A different last bit of the mean square moves a bf16 output by one unit in ~6 of a million
-elements (float32: one float32 unit in ~1 of 4); :func:`rms_norm_reference` is the module's math, and
+float32 sum of squares. A different last bit of the mean square moves the normalized bf16 row by one unit in ~6 of
+a million elements (at most two units of the output after the weight product; float32: a few units, in ~1 element
+of 4); :func:`rms_norm_reference` is the module's math, and
 ``tests/step/test_norm.py`` bounds the two against each other and the whole step against the eager model. A row's
 result does not depend on the other rows (same per-row order at any batch size and thread count).
 

@@ -48,15 +48,16 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   auto y = torch::empty_like(xc);
   const int64_t D = x.size(-1), R = D ? xc.numel() / D : 0;
   const float e = static_cast<float>(eps);
-  // grain: a row is ~D multiply-adds; below ~16 rows one thread wakes the other for nothing
-  at::parallel_for(0, R, 16, [&](int64_t b, int64_t end) {
-    for (int64_t r = b; r < end; ++r) {
-      if (x.scalar_type() == at::kBFloat16)
-        norm_row(xc.data_ptr<c10::BFloat16>() + r * D, w.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>() + r * D, D, e);
-      else
-        norm_row(xc.data_ptr<float>() + r * D, w.data_ptr<float>(), y.data_ptr<float>() + r * D, D, e);
-    }
-  });
+  auto rows = [&](const auto* xp, const auto* wp, auto* yp) {
+    // grain: a row is ~D multiply-adds; below ~16 rows one thread wakes the other for nothing
+    at::parallel_for(0, R, 16, [&](int64_t b, int64_t end) {
+      for (int64_t r = b; r < end; ++r) norm_row(xp + r * D, wp, yp + r * D, D, e);
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    rows(xc.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>());
+  else
+    rows(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>());
   return y;
 }
 
