@@ -200,6 +200,12 @@ class RowsCache(ShapeGuardedCache):
         n_layers = len(caches[0].layers)
         if any(len(c.layers) != n_layers for c in caches):
             raise ValueError("the rows of a RowsCache must be caches of the same model (same layer count)")
+        if any(layer.is_sliding for layer in caches[0].layers):
+            # A sliding layer's attention is transformers' own over the step's packed keys and mask, which a batch
+            # of rows at different lengths does not have; refused here rather than deep inside the first forward.
+            raise ValueError("a RowsCache does not take a hybrid sliding/full model's caches (Gemma 3, gpt-oss): "
+                             "their sliding layers attend with the model's own mask; decode such a model with "
+                             "kvtier.make_cache and generate")
         self.caches = caches
         self.lengths = None if lengths is None else [int(n) for n in lengths]
         self.spans = None

@@ -86,3 +86,11 @@ def test_serving_a_hybrid_model_is_refused_with_the_reason(gemma3):
 
     with pytest.raises(ValueError, match="does not serve hybrid sliding/full models .* sliding layers' windows"):
         Engine(gemma3, byte_tokenizer())
+
+
+def test_a_rows_step_refuses_a_hybrid_model_before_its_forward(gemma3):
+    from kvtier.cache.rows import RowsCache
+
+    caches = [kvtier.make_cache("full", gemma3) for _ in range(2)]
+    with pytest.raises(ValueError, match="RowsCache does not take a hybrid sliding/full model"):
+        RowsCache(caches, lengths=[3, 4])
