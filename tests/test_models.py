@@ -260,7 +260,10 @@ def test_auto_dtype_without_probes_reads_cpuinfo(monkeypatch, tmp_path):
         return info if str(p) == "/proc/cpuinfo" else real(p, *a)
 
     monkeypatch.setattr(cpu, "Path", fake_path)
-    info.write_text("flags\t\t: fpu sse avx avx2 fma\n")
-    assert not models.cpu_bf16_native()
-    info.write_text("flags\t\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
-    assert models.cpu_bf16_native()
+    try:
+        for flags, native in (("fpu sse avx avx2 fma", False), ("fpu avx2 avx512f avx512_bf16 amx_tile", True)):
+            info.write_text(f"flags\t\t: {flags}\n")
+            cpu._cpuinfo_lines.cache_clear()  # read once per process: each fake is a new process's file
+            assert models.cpu_bf16_native() is native
+    finally:
+        cpu._cpuinfo_lines.cache_clear()

@@ -3,20 +3,28 @@
 from __future__ import annotations
 
 import platform
+from functools import lru_cache
 from pathlib import Path
 
 import torch
 
 
+@lru_cache(maxsize=1)
+def _cpuinfo_lines() -> tuple[str, ...]:
+    """``/proc/cpuinfo``'s lines, read once per process (on a many-core host the file is hundreds of KB, and the
+    CPU does not change under a running process); empty where there is no such file."""
+    try:
+        return tuple(Path("/proc/cpuinfo").read_text().splitlines())
+    except OSError:
+        return ()
+
+
 def cpuinfo(*keys: str) -> str | None:
     """The value of the first ``/proc/cpuinfo`` line starting with one of ``keys`` (stripped), or None where there
     is no such line or no such file (one reader for the ISA probes, the names records carry and the kernel's build key)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(keys):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
+    for line in _cpuinfo_lines():
+        if line.startswith(keys):
+            return line.split(":", 1)[1].strip()
     return None
 
 
@@ -32,6 +40,18 @@ def cpu_bf16_native() -> bool:
             pass
     flags = (cpuinfo("flags", "Features") or "").split()  # older builds without the probes: the kernel's own flags
     return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def cpu_amx() -> bool:
+    """Whether this CPU has AMX tiles (Sapphire Rapids and later): bf16 matmuls of many rows at the same rate from
+    hundreds to thousands of rows, which is what the serving prefill's step size rests on."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    if callable(probe):
+        try:
+            return bool(probe())
+        except RuntimeError:
+            pass
+    return "amx_tile" in (cpuinfo("flags", "Features") or "").split()
 
 
 def cpu_isa() -> str:
