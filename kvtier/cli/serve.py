@@ -38,8 +38,9 @@ def serve(
                                                             "the RAM free at start)"),
     on_pressure: str = typer.Option("demote", help="when the budget is full: demote (device tokens to host "
                                                    "memory, exact), queue (admit at peak only), recompute (preempt)"),
-    prefill_tokens: int = typer.Option(1024, help="continuous: prompt tokens prefilled in one step beside the "
-                                                  "running rows (whole prompts; a longer one runs in a step of its own)"),
+    prefill_tokens: Optional[int] = typer.Option(None, help="continuous: prompt tokens prefilled in one step beside "
+                                                            "the running rows (whole prompts; a longer one runs in a "
+                                                            "step of its own; default: 4096 on CPUs with AMX, else 1024)"),
     max_new_tokens: Optional[int] = typer.Option(None, help="cap on a request's max_tokens (default 4096 GPU, 512 CPU)"),
     max_prompt_tokens: Optional[int] = typer.Option(None, help="longest prompt accepted (default: the model's positions)"),
     request_timeout: float = typer.Option(600.0, help="seconds from arrival; a request still running ends there"),

@@ -8,7 +8,7 @@ Per loop iteration (one generation thread owns the model):
    cache is dropped and its request goes back to the head of the wait list with what it generated, to be
    recomputed: nothing it already sent is sent again), rejections (HTTP 400 naming ``--device-kv-budget``) and
    admissions: each admitted request gets its own empty one-row cache (whole prompts, up to
-   ``cfg.prefill_tokens`` prompt tokens a step, at least one);
+   ``cfg.prefill_tokens`` prompt tokens a step (default: per CPU, :func:`~kvtier.serve.engine.default_prefill_tokens`), at least one);
 3. one forward over every running row (a packed :class:`kvtier.cache.rows.RowsCache`): a running row brings its
    next token, a joining row its whole prompt (its prefill), laid end to end in one sequence; each row's attention
    runs through its own cache, exactly as if it ran alone; each row samples from its own settings and seed;
@@ -78,6 +78,7 @@ class ContinuousEngine(Engine):
         self._loop_hook = None
         self.budget = self.cfg.resolve_device_budget(model)
         self.host_budget = self.cfg.resolve_host_budget()
+        self.prefill_tokens = self.cfg.resolve_prefill_tokens(model)
         m = self.metrics
         m.device_kv_budget = self.budget
         layers, heads, head_dim = model_shape(model.config)
@@ -91,7 +92,8 @@ class ContinuousEngine(Engine):
     def describe(self) -> str:
         b = "no device-KV budget" if self.budget is None else f"device-KV budget {self.budget / 2**20:.1f} MiB"
         h = "" if self.host_budget is None else f", host-KV budget {self.host_budget / 2**30:.1f} GiB"
-        return f"scheduler continuous (up to {self.cfg.max_batch} rows), {b}{h}, on pressure: {self.cfg.on_pressure}"
+        return (f"scheduler continuous (up to {self.cfg.max_batch} rows, {self.prefill_tokens} prompt tokens a step), "
+                f"{b}{h}, on pressure: {self.cfg.on_pressure}")
 
     # ---- the generation thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -216,12 +218,12 @@ class ContinuousEngine(Engine):
                 self._remove_waiting(r)
             self._resumed.pop(r.id, None)
             _safe_sink(r, ("error", 400, self._never_fits(r, self._wait_need(r))))
-        prefill = 0  # prompt tokens joining at the next step: whole prompts up to cfg.prefill_tokens, at least one
+        prefill = 0  # prompt tokens joining at the next step: whole prompts up to self.prefill_tokens, at least one
         started = 0
         for key, t0 in d.admit:
             r = reqs[key]
             n = self._tokens(r)
-            if started and prefill + n > self.cfg.prefill_tokens:
+            if started and prefill + n > self.prefill_tokens:
                 break  # it stays at the head of the wait list and is decided again after this step
             with self._cv:
                 if not self._remove_waiting(r):

@@ -48,6 +48,27 @@ class NeverFits(Exception):
     """The request could not run even alone under the device-KV budget (HTTP 400, before any stream starts)."""
 
 
+# A burst of arrivals is prefilled in packed steps of whole prompts; its last prompt's first token (the TTFT p99 at
+# many clients) comes after all of them, so the step size that prefills most tokens a second wins there; smaller
+# steps give the burst's first prompts their token sooner (TTFT p50). Which size that is depends on the matmuls:
+# - AVX-512 without AMX (2-core EPYC, bf16): the MLP's up-projection (896 x 9728 in the 0.5B) runs ~960 GFLOP/s up
+#   to 1024 rows and ~720 at 2048; served at 32 clients, 1024 gave 2-13% more tok/s, a 7% lower TTFT p99 and a ~40%
+#   lower TTFT p50 than 2048 (benchmarks/results/serve_prefill_tokens_2026-12-04_epyc_avx512bf16/).
+# - AMX (2-core Xeon, bf16): the packed prefill holds its rate to 4096 tokens; served at 32 clients (two alternating
+#   runs), TTFT p99 2.81 / 2.76 s at 1024, 2.37 / 2.47 at 2048, 2.10 / 2.15 at 4096, tok/s 267-281 at each, TTFT p50
+#   0.96-1.01 s at 1024 and 1.17-1.47 at 4096 (benchmarks/results/serve_prefill_tokens_2026-12-05_xeon_amx/).
+# Elsewhere (AVX2-only CPUs, CUDA) unmeasured: the EPYC's 1024.
+PREFILL_TOKENS_AMX = 4096
+PREFILL_TOKENS_OTHER = 1024
+
+
+def default_prefill_tokens(device: torch.device | str = "cpu") -> int:
+    """``--prefill-tokens`` when not given: 4096 on a CPU with AMX, else 1024 (measured as above)."""
+    from ..step.cpu import cpu_amx
+
+    return PREFILL_TOKENS_AMX if torch.device(device).type == "cpu" and cpu_amx() else PREFILL_TOKENS_OTHER
+
+
 @dataclass
 class EngineConfig:
     """How the engine batches and bounds work; validated on construction."""
@@ -61,11 +82,9 @@ class EngineConfig:
     device_kv_fraction: float = 0.9  # on CUDA without a budget: this share of the memory free after the weights
     host_kv_budget: int | None = None  # bytes of host K/V (T1/T2) for all rows (None: half the RAM free at start)
     on_pressure: str = "demote"  # "demote" | "queue" | "recompute" (see kvtier.serve.scheduler)
-    # continuous: prompt tokens prefilled in one step beside the running rows (whole prompts; at least one a step).
-    # 1024, not 2048: the MLP's up-projection (896 x 9728 in the 0.5B) runs ~960 GFLOP/s up to 1024 rows and ~720
-    # at 2048 (bf16, oneDNN, 2-core EPYC); served at 32 clients, 1024 gave 2-13% more tok/s, a 7% lower TTFT p99
-    # and a ~40% lower TTFT p50 (benchmarks/results/serve_prefill_tokens_2026-12-04_epyc_avx512bf16/)
-    prefill_tokens: int = 1024
+    # continuous: prompt tokens prefilled in one step beside the running rows (whole prompts; at least one a step);
+    # None: default_prefill_tokens() for the model's device.
+    prefill_tokens: int | None = None
     # Prepare the model's step (kvtier.step.prepare_step: packed linears, fused norms) on the engine's own thread as
     # it starts, None: the model as given.
     # Why there: oneDNN weights reordered on the loading thread and multiplied on another ran 1.5x slower (8 rows,
@@ -95,6 +114,8 @@ class EngineConfig:
                              "admits by count)")
         for name in ("max_batch", "max_queue", "stats_every", "prefill_tokens"):
             v = getattr(self, name)
+            if v is None and name == "prefill_tokens":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {v!r}")
         if isinstance(self.batch_wait_s, bool) or not isinstance(self.batch_wait_s, (int, float)) or not 0 <= self.batch_wait_s <= 10:
@@ -110,6 +131,12 @@ class EngineConfig:
             free, _ = torch.cuda.mem_get_info(dev)
             return int(free * self.device_kv_fraction)
         return None
+
+    def resolve_prefill_tokens(self, model) -> int:
+        """Prompt tokens a step prefills: the number given, else :func:`default_prefill_tokens` for the model's device."""
+        if self.prefill_tokens is not None:
+            return self.prefill_tokens
+        return default_prefill_tokens(getattr(model, "device", torch.device("cpu")))
 
     def resolve_host_budget(self) -> int | None:
         """The host-KV budget in bytes: the one given, else half the RAM available now (None if unknown)."""

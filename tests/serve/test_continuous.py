@@ -297,6 +297,26 @@ def test_a_burst_is_prefilled_in_shared_steps_beside_the_running_rows(tiny, pref
         assert r.sink.end[0] == "done" and r.sink.text == _alone(model, tok, r), f"request {r.id} ({r.policy})"
 
 
+@pytest.mark.parametrize("amx,expected", [(True, 4096), (False, 1024)])
+def test_prefill_tokens_default_follows_the_cpu_and_a_given_value_wins(tiny, monkeypatch, amx, expected):
+    """Without --prefill-tokens a step prefills up to 4096 prompt tokens on a CPU with AMX and 1024 elsewhere (the
+    sizes measured best for a burst's TTFT p99 on each; kvtier.serve.engine); the startup line says which; a number
+    given is used as is, and a bad one is refused naming the flag."""
+    from kvtier.serve import engine as engine_mod
+    from kvtier.step import cpu
+
+    model, tok = tiny
+    monkeypatch.setattr(cpu, "cpu_amx", lambda: amx)
+    assert engine_mod.default_prefill_tokens("cpu") == expected
+    assert engine_mod.default_prefill_tokens("cuda") == 1024  # unmeasured there: the smaller step
+    eng = ContinuousEngine(model, tok, EngineConfig())
+    assert eng.prefill_tokens == expected and f"{expected} prompt tokens a step" in eng.describe()
+    assert ContinuousEngine(model, tok, EngineConfig(prefill_tokens=300)).prefill_tokens == 300
+    for bad in (0, -5, 2.5, True):
+        with pytest.raises(ValueError, match=r"prefill_tokens \(--prefill-tokens\) must be an integer >= 1"):
+            EngineConfig(prefill_tokens=bad)
+
+
 def _budget_for(eng, rows: int, tokens: int) -> int:
     return rows * eng._peak_bytes(tokens)
 
