@@ -45,7 +45,7 @@ def serve(
     max_prompt_tokens: Optional[int] = typer.Option(None, help="longest prompt accepted (default: the model's positions)"),
     request_timeout: float = typer.Option(600.0, help="seconds from arrival; a request still running ends there"),
     reasoning: str = typer.Option("separate", help="separate: <think> text as reasoning_content (DeepSeek's API); inline"),
-    batch_wait: float = typer.Option(0.02, help="seconds an idle engine waits for companions after a first arrival (continuous: none while rows run)"),
+    batch_wait: float = typer.Option(0.02, help="seconds the engine waits for companions after a first arrival"),
     grace: float = typer.Option(10.0, help="on SIGTERM/SIGINT: seconds in-flight requests get to finish"),
     api_key: list[str] = typer.Option([], envvar="KVTIER_API_KEY", show_envvar=False,
                                       help="a key /v1/* requires as 'Authorization: Bearer KEY' (repeatable; or "

@@ -103,9 +103,6 @@ class ContinuousEngine(Engine):
                     self._cv.wait()
                 if not self.waiting and not self.rows:
                     return
-                first = self.waiting[0].arrived if self.waiting and not self.rows else None
-            if first is not None:
-                self._gather(first)
             try:
                 hook, self._loop_hook = self._loop_hook, None
                 if hook is not None:  # tests: run something on this thread, between two steps
@@ -122,24 +119,6 @@ class ContinuousEngine(Engine):
                     self._fail(row, e)
             if not self.rows and not self.waiting:
                 gc.collect()  # idle: the released caches' objects go too (live caches back to 0)
-
-    def _gather(self, first: float) -> None:
-        """An idle engine's first arrival waits up to ``cfg.batch_wait_s`` from its arrival for companions (until
-        ``max_batch`` wait), so that requests sent together are prefilled in one step. Without it the burst's first
-        request is prefilled alone and everyone else waits for that step: at 32 clients on a 2-core Xeon, a 100-token
-        step of 150-200 ms before the 31 others' 1.7-1.8 s one (the step log of
-        benchmarks/results/serve_peer_2026-12-05_xeon_amx_prefill/). While rows run, arrivals join at the next step
-        without waiting."""
-        wait = self.cfg.batch_wait_s
-        if not wait:
-            return
-        deadline = first + wait
-        with self._cv:
-            while not self._stop and len(self.waiting) < self.cfg.max_batch:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    break
-                self._cv.wait(left)
 
     def _drop_gone(self) -> None:
         now = time.monotonic()

@@ -75,7 +75,7 @@ class EngineConfig:
 
     max_batch: int = 8
     max_queue: int = 64
-    batch_wait_s: float = 0.02  # after an idle engine's first arrival, how long to wait for companions before starting
+    batch_wait_s: float = 0.02  # after the first arrival, how long to wait for companions before starting
     stats_every: int = 16  # decode steps between refreshes of the live KV metrics
     scheduler: str = "continuous"  # or "static": batches through model.generate, as before continuous batching
     device_kv_budget: int | None = None  # bytes of device K/V for all rows (None: CUDA -> a fraction, CPU -> no limit)

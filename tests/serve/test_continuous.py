@@ -317,28 +317,6 @@ def test_prefill_tokens_default_follows_the_cpu_and_a_given_value_wins(tiny, mon
             EngineConfig(prefill_tokens=bad)
 
 
-@pytest.mark.parametrize("max_batch,first_step", [(16, 5), (5, 5), (3, 3)])
-def test_an_idle_engine_gathers_a_burst_into_one_first_step(tiny, max_batch, first_step):
-    """Requests sent together to an idle engine are prefilled in one step: the first arrival waits up to
-    --batch-wait for companions (or until --max-batch wait), instead of being prefilled alone while the others wait
-    for that step; every text is still the request's alone."""
-    model, tok = tiny
-    eng = _Spans(model, tok, EngineConfig(max_batch=max_batch, batch_wait_s=5.0)).start()
-    reqs = [_req(_prompt(tok, 200 + i, 10 + i), 6) for i in range(5)]
-    t0 = time.monotonic()
-    for r in reqs:
-        eng.submit(r)
-        time.sleep(0.01)  # arriving over ~50 ms, as a burst of HTTP requests does
-    for r in reqs:
-        assert r.sink.done.wait(120)
-    eng.shutdown(grace_s=1)
-    assert eng.prefills[0][0] == first_step
-    if max_batch == len(reqs):  # a full batch starts at once, not after the 5 s wait
-        assert time.monotonic() - t0 < 4.0
-    for r in reqs:
-        assert r.sink.end[0] == "done" and r.sink.text == _alone(model, tok, r)
-
-
 def _budget_for(eng, rows: int, tokens: int) -> int:
     return rows * eng._peak_bytes(tokens)
 
