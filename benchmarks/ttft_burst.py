@@ -7,7 +7,7 @@ client sends at once): the last prompt of the burst gets its first token only af
 and the decode steps between. This script submits `--clients` GSM8K chat prompts at once to one
 `ContinuousEngine` (the served model, its linears packed on the engine's thread as `kvtier serve` does), and
 records each request's first-token time from its submission, the steps the engine took, and the burst's prompt
-tokens per second; per `--prefill-tokens` setting (the engine's cfg changed between bursts; the settings take turns
+tokens per second; per `--prefill-tokens` setting (the engine's step size changed between bursts; the settings take turns
 each repetition so that none is always measured first). Beside it, one packed prefill step of the burst's first
 prompts is profiled by op category (on the main thread, with a second copy of the model packed there).
 Writes `ttft_burst.json` and `ttft_burst.md` into `--out`, with `lscpu`.
