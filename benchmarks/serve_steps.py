@@ -6,9 +6,10 @@ A log that several servers appended to (serve_peer.py's, over runs) is read run 
 
 Each debug line ``step N: R rows, J joining with P prompt tokens, X ms`` is one forward (timed from building the
 step's cache view to the last row's token drawn). Prints: the span from the first step's start to the last step's
-end, the time inside steps and between them (the loop's own scheduling, and anything that kept the engine thread
-from the next step), decode-only steps' median ms by row count, and what the steps with a joining prefill cost
-beyond a decode step of as many rows.
+end, the time inside steps, between them while rows were running (the loop's own scheduling, and anything that kept
+the engine thread from the next step) and idle (the gaps before a step whose rows all join: the engine had nothing to
+run and waited for arrivals, e.g. between the load generator's phases), decode-only steps' median ms by row count,
+and what the steps with a joining prefill cost beyond a decode step of as many rows.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def summary(steps: list[dict]) -> dict:
         raise ValueError("no step lines: was the server run with KVTIER_LOG=debug and the continuous scheduler?")
     span = steps[-1]["end"] - (steps[0]["end"] - steps[0]["ms"] / 1e3)
     inside = sum(s["ms"] for s in steps) / 1e3
+    # the gap before a step whose rows all join followed an empty engine: idle, not the loop's overhead
+    idle = sum(max(0.0, (s["end"] - s["ms"] / 1e3) - prev["end"])
+               for prev, s in zip(steps, steps[1:]) if s["rows"] == s["joining"])
     decode: dict[int, list[float]] = {}
     for s in steps:
         if not s["joining"]:
@@ -59,7 +63,7 @@ def summary(steps: list[dict]) -> dict:
     joins = [s for s in steps if s["joining"]]
     # a joining step's extra: its ms beyond a decode step of the rows already running (rows - joining)
     extra = [s["ms"] - med[s["rows"] - s["joining"]] for s in joins if s["rows"] - s["joining"] in med]
-    return {"steps": len(steps), "span_s": span, "inside_s": inside, "between_s": span - inside,
+    return {"steps": len(steps), "span_s": span, "inside_s": inside, "between_s": span - inside - idle, "idle_s": idle,
             "decode_ms_median_by_rows": med, "decode_steps_by_rows": {r: len(v) for r, v in sorted(decode.items())},
             "join_steps": len(joins), "join_prompt_tokens": sum(s["prompt_tokens"] for s in joins),
             "join_ms_total": sum(s["ms"] for s in joins), "join_extra_ms_total": sum(extra),
@@ -86,7 +90,7 @@ def main() -> None:
 
 def report(s: dict) -> dict:
     print(f"{s['steps']} steps over {s['span_s']:.2f} s: {s['inside_s']:.2f} s inside steps, "
-          f"{s['between_s']:.2f} s between them")
+          f"{s['between_s']:.2f} s between them while rows ran, {s['idle_s']:.2f} s idle")
     print("decode-only steps, median ms by rows: " + ", ".join(
         f"{r}: {m:.1f} ({s['decode_steps_by_rows'][r]})" for r, m in s["decode_ms_median_by_rows"].items()))
     if s["join_steps"]:
