@@ -8,7 +8,8 @@ Per loop iteration (one generation thread owns the model):
    cache is dropped and its request goes back to the head of the wait list with what it generated, to be
    recomputed: nothing it already sent is sent again), rejections (HTTP 400 naming ``--device-kv-budget``) and
    admissions: each admitted request gets its own empty one-row cache (whole prompts, up to
-   ``cfg.prefill_tokens`` prompt tokens a step (default: per CPU, :func:`~kvtier.serve.engine.default_prefill_tokens`), at least one);
+   ``cfg.prefill_tokens`` prompt tokens a step, at least one; by default per CPU:
+   :func:`~kvtier.serve.engine.default_prefill_tokens`);
 3. one forward over every running row (a packed :class:`kvtier.cache.rows.RowsCache`): a running row brings its
    next token, a joining row its whole prompt (its prefill), laid end to end in one sequence; each row's attention
    runs through its own cache, exactly as if it ran alone; each row samples from its own settings and seed;

@@ -133,7 +133,8 @@ class EngineConfig:
         return None
 
     def resolve_prefill_tokens(self, model) -> int:
-        """Prompt tokens a step prefills: the number given, else :func:`default_prefill_tokens` for the model's device."""
+        """Prompt tokens a step prefills: the number given, else :func:`default_prefill_tokens` for the model's
+        device."""
         if self.prefill_tokens is not None:
             return self.prefill_tokens
         return default_prefill_tokens(getattr(model, "device", torch.device("cpu")))
