@@ -28,30 +28,29 @@ def cpuinfo(*keys: str) -> str | None:
     return None
 
 
-def cpu_bf16_native() -> bool:
-    """Whether this CPU multiplies bf16 in hardware (AMX-BF16 or AVX512-BF16). Without it PyTorch converts bf16
-    to fp32 inside every matmul, and fp32 is the faster choice (measured: see the README's dtype rule)."""
-    probes = [getattr(torch.cpu, n, None) for n in ("_is_amx_tile_supported", "_is_avx512_bf16_supported")]
-    known = [p for p in probes if callable(p)]
+def _cpu_has(probes: tuple[str, ...], flags: tuple[str, ...]) -> bool:
+    """Whether any of torch's CPU probes ``probes`` (``torch.cpu._is_*_supported``, where this build has them) says
+    yes; on builds without them (or where they fail), whether any of ``flags`` is in ``/proc/cpuinfo``'s flags."""
+    known = [p for p in (getattr(torch.cpu, n, None) for n in probes) if callable(p)]
     if known:
         try:
             return any(bool(p()) for p in known)
         except RuntimeError:
             pass
-    flags = (cpuinfo("flags", "Features") or "").split()  # older builds without the probes: the kernel's own flags
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    have = (cpuinfo("flags", "Features") or "").split()  # older builds without the probes: the kernel's own flags
+    return any(f in have for f in flags)
+
+
+def cpu_bf16_native() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AMX-BF16 or AVX512-BF16). Without it PyTorch converts bf16
+    to fp32 inside every matmul, and fp32 is the faster choice (measured: see the README's dtype rule)."""
+    return _cpu_has(("_is_amx_tile_supported", "_is_avx512_bf16_supported"), ("amx_bf16", "avx512_bf16"))
 
 
 def cpu_amx() -> bool:
     """Whether this CPU has AMX tiles (Sapphire Rapids and later): bf16 matmuls of many rows at the same rate from
     hundreds to thousands of rows, which is what the serving prefill's step size rests on."""
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
-    if callable(probe):
-        try:
-            return bool(probe())
-        except RuntimeError:
-            pass
-    return "amx_tile" in (cpuinfo("flags", "Features") or "").split()
+    return _cpu_has(("_is_amx_tile_supported",), ("amx_tile",))
 
 
 def cpu_isa() -> str:
