@@ -65,6 +65,29 @@ needs_1p5b = pytest.mark.skipif(not _offline_installed("qwen2.5-coder-1.5b-instr
                                 reason="qwen2.5-coder-1.5b-instruct parts not installed (make model-1.5b)")
 
 
+@pytest.fixture
+def fake_cpuinfo(monkeypatch, tmp_path):
+    """``fake_cpuinfo(text)``: kvtier.step.cpu reads ``text`` as /proc/cpuinfo (None: no such file) and returns the
+    fake file. The reader keeps the file's lines per process, so each call, and the teardown, clears what it kept:
+    every fake is read afresh, and later tests read the real file."""
+    from kvtier.step import cpu
+
+    info = tmp_path / "cpuinfo"
+    real = cpu.Path
+    monkeypatch.setattr(cpu, "Path", lambda p, *a: info if str(p) == "/proc/cpuinfo" else real(p, *a))
+
+    def fake(text: str | None) -> Path:
+        if text is None:
+            info.unlink(missing_ok=True)
+        else:
+            info.write_text(text)
+        cpu._cpuinfo_lines.cache_clear()
+        return info
+
+    yield fake
+    cpu._cpuinfo_lines.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def qwen2():
     return random_model("tiny-qwen2", dtype=torch.float32)

@@ -244,26 +244,13 @@ def test_auto_dtype_follows_the_cpu_isa(monkeypatch):
     assert models.resolve_dtype("fp32", cpu) == torch.float32  # an explicit choice is never second-guessed
 
 
-def test_auto_dtype_without_probes_reads_cpuinfo(monkeypatch, tmp_path):
+def test_auto_dtype_without_probes_reads_cpuinfo(monkeypatch, fake_cpuinfo):
     import torch
 
     from kvtier import models
 
     monkeypatch.delattr(torch.cpu, "_is_amx_tile_supported", raising=False)
     monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported", raising=False)
-    info = tmp_path / "cpuinfo"
-    from kvtier.step import cpu
-
-    real = cpu.Path
-
-    def fake_path(p, *a):
-        return info if str(p) == "/proc/cpuinfo" else real(p, *a)
-
-    monkeypatch.setattr(cpu, "Path", fake_path)
-    try:
-        for flags, native in (("fpu sse avx avx2 fma", False), ("fpu avx2 avx512f avx512_bf16 amx_tile", True)):
-            info.write_text(f"flags\t\t: {flags}\n")
-            cpu._cpuinfo_lines.cache_clear()  # read once per process: each fake is a new process's file
-            assert models.cpu_bf16_native() is native
-    finally:
-        cpu._cpuinfo_lines.cache_clear()
+    for flags, native in (("fpu sse avx avx2 fma", False), ("fpu avx2 avx512f avx512_bf16 amx_tile", True)):
+        fake_cpuinfo(f"flags\t\t: {flags}\n")
+        assert models.cpu_bf16_native() is native
