@@ -41,6 +41,9 @@ def serve(
     prefill_tokens: Optional[int] = typer.Option(None, help="continuous: prompt tokens prefilled in one step beside "
                                                             "the running rows (whole prompts; a longer one runs in a "
                                                             "step of its own; default: 4096 on CPUs with AMX, else 1024)"),
+    direct_step: bool = typer.Option(True, help="continuous: step Llama/Qwen2/Qwen3/Mistral models through "
+                                                "kvtier.step.direct (the model's ops without transformers' module "
+                                                "plumbing, checked bit for bit at start); off: the model's forward"),
     max_new_tokens: Optional[int] = typer.Option(None, help="cap on a request's max_tokens (default 4096 GPU, 512 CPU)"),
     max_prompt_tokens: Optional[int] = typer.Option(None, help="longest prompt accepted (default: the model's positions)"),
     request_timeout: float = typer.Option(600.0, help="seconds from arrival; a request still running ends there"),
@@ -99,7 +102,7 @@ def serve(
                             else parse_bytes("--device-kv-budget", device_kv_budget),
                             device_kv_fraction=device_kv_fraction, on_pressure=on_pressure,
                             host_kv_budget=None if host_kv_budget is None else parse_bytes("--host-kv-budget", host_kv_budget),
-                            prefill_tokens=prefill_tokens, linear=linear_mode())
+                            prefill_tokens=prefill_tokens, linear=linear_mode(), direct_step=direct_step)
         resolve_dtype(dtype, resolve_device(device))
         m, tok = kvtier.load_model(model, device=device, dtype=dtype, linear="eager")  # the engine's thread packs
         settings.position_limit = getattr(m.config, "max_position_embeddings", None)

@@ -85,6 +85,13 @@ class ContinuousEngine(Engine):
         layers, heads, head_dim = model_shape(model.config)
         elem = torch.empty(0, dtype=model.dtype).element_size()
         self.col_bytes = layers * heads * head_dim * 2 * elem  # one token, all layers, K and V
+        self._direct = None  # kvtier.step.direct's step, once checked (start()), else the model's forward
+
+    def _prepared(self) -> None:
+        if self.cfg.direct_step:
+            from ..step.direct import direct_step
+
+            self._direct = direct_step(self.model)
 
     @property
     def running(self) -> int:
@@ -93,8 +100,9 @@ class ContinuousEngine(Engine):
     def describe(self) -> str:
         b = "no device-KV budget" if self.budget is None else f"device-KV budget {self.budget / 2**20:.1f} MiB"
         h = "" if self.host_budget is None else f", host-KV budget {self.host_budget / 2**30:.1f} GiB"
-        return (f"scheduler continuous (up to {self.cfg.max_batch} rows, {self.prefill_tokens} prompt tokens a step), "
-                f"{b}{h}, on pressure: {self.cfg.on_pressure}")
+        step = "direct step" if self._direct is not None else "the model's forward"
+        return (f"scheduler continuous (up to {self.cfg.max_batch} rows, {self.prefill_tokens} prompt tokens a step, "
+                f"{step}), {b}{h}, on pressure: {self.cfg.on_pressure}")
 
     # ---- the generation thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -283,13 +291,15 @@ class ContinuousEngine(Engine):
         dev = self.model.device
         ids = torch.tensor([[t for q in seqs for t in q]], device=dev)
         with torch.no_grad():
-            out = self.model(input_ids=ids, position_ids=rc.positions(dev), **cache_kw(self.model, rc), use_cache=True,
-                             logits_to_keep=rc.last_positions(dev))
+            if self._direct is not None:
+                logits = self._direct(ids, rc, rc.positions(dev), rc.last_positions(dev))[0]  # (B, V), model dtype
+            else:
+                logits = self.model(input_ids=ids, position_ids=rc.positions(dev), **cache_kw(self.model, rc),
+                                    use_cache=True, logits_to_keep=rc.last_positions(dev)).logits[0]
         del rc
         for r in rows:
             r.pending = None
         self._note_device()
-        logits = out.logits[0]  # (B, V) in the model's dtype
         # Greedy rows: one pass over the batch's logits in the model's dtype, each row's first maximum as float32
         # argmax finds it (bf16 -> float32 is exact), without the float32 copy of every row: at 32 rows of a 152K
         # vocabulary in bf16, float() + argmax took ~4 ms a step, torch.max ~1.9, argmax_rows ~0.4 (2-core Xeon).

@@ -90,6 +90,9 @@ class EngineConfig:
     # Why there: oneDNN weights reordered on the loading thread and multiplied on another ran 1.5x slower (8 rows,
     # 0.5B bf16, 2-core AMX Xeon: 125 vs 82 ms a step; reordered on the thread that multiplies, as fast as on one).
     linear: str | None = None
+    # continuous: step Llama-form models through kvtier.step.direct (the same ops without transformers' module
+    # machinery, checked bit for bit against the model's forward at start); False: the model's own forward.
+    direct_step: bool = True
 
     def __post_init__(self) -> None:
         from .scheduler import PRESSURE_MODES
@@ -341,6 +344,10 @@ class Engine:
                 except Exception:
                     log.exception("preparing the model's step (packed linears, fused norms) failed; serving it as "
                                   "loaded")
+                try:
+                    self._prepared()
+                except Exception:
+                    log.exception("preparing the engine's step failed")
                 finally:
                     prepared.set()
                 self._loop()
@@ -349,6 +356,9 @@ class Engine:
             self._thread.start()
             prepared.wait()
         return self
+
+    def _prepared(self) -> None:
+        """On the engine's thread, after the model's step is prepared and before the first request: nothing here."""
 
     def submit(self, req: GenRequest) -> None:
         """Queue ``req``; raises :class:`QueueFull` beyond ``max_queue`` waiting, :class:`ShuttingDown` after

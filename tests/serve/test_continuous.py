@@ -148,6 +148,28 @@ def test_staggered_trace_equals_each_request_alone(tiny):
         assert r.sink.text == _alone(model, tok, r), f"request {r.id} ({r.policy}, T={r.temperature})"
 
 
+def test_the_engine_steps_through_the_checked_direct_step_unless_switched_off(tiny):
+    """By default the engine steps a Qwen2-form model through kvtier.step.direct (checked at start, said in the
+    startup line); ``direct_step=False`` keeps the model's forward. Each request served alone either way streams the
+    same text (the direct step's logits are the model's bit for bit: tests/step/test_direct.py)."""
+    model, tok = tiny
+    on, off = _engine(model, tok), _engine(model, tok, direct_step=False)
+    assert on._direct is not None and "direct step" in on.describe()
+    assert off._direct is None and "the model's forward" in off.describe()
+    for r in _trace(tok, 6):
+        sinks = []
+        for eng in (on, off):
+            q = _req(r.prompt_ids, r.max_tokens, r.policy, r.params, temperature=r.temperature, top_p=r.top_p,
+                     seed=r.seed)
+            eng.submit(q)
+            assert q.sink.done.wait(120)
+            sinks.append(q.sink)
+        assert sinks[0].end[0] == sinks[1].end[0] == "done"
+        assert sinks[0].text == sinks[1].text, (r.policy, r.temperature)
+    on.shutdown(grace_s=1)
+    off.shutdown(grace_s=1)
+
+
 @pytest.mark.parametrize("policies", [("tiered", "full", "tiered", "full"), ("h2o", "full", "snapkv", "tiered")])
 def test_batched_step_rounds_only_in_the_model_matmuls(tiny, policies):
     """What may differ from a row alone, measured: one RowsCache step over four rows against each row stepped

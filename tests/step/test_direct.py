@@ -1,0 +1,93 @@
+"""kvtier.step.direct: the engine's step without transformers' module machinery gives the model's logits bit for bit."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import kvtier
+from kvtier.cache.rows import RowsCache
+from kvtier.compat import cache_kw
+from kvtier.models import random_model
+from kvtier.step import prepare_step
+from kvtier.step import direct as direct_mod
+from kvtier.step.direct import DirectStep, direct_step, unsupported
+
+NO_EVICT = {"hbm_ratio": 0.3, "evict_ratio": 0.0, "recent_window": 4, "retier_interval": 8}
+# row 0 full (the rows kernel), row 1 tiered without eviction (its own split attention, reassigned every 8 steps),
+# row 2 full on the eager path (its own update and attend); row 2 joins at step 6, beside the decoding rows
+ROWS = [("full", {}, 9, 0), ("tiered", NO_EVICT, 5, 0), ("full", {"kernel": "eager"}, 7, 6)]
+
+
+def _prompt(i: int, n: int, vocab: int) -> list[int]:
+    return torch.randint(3, vocab - 1, (n,), generator=torch.Generator().manual_seed(40 + i)).tolist()
+
+
+def _steps(model, how: str, direct: DirectStep | None, steps: int = 40) -> list[torch.Tensor]:
+    """Every step's logits (1, B, V) of the ROWS schedule, stepped through the model's forward or the direct step."""
+    vocab = model.config.vocab_size
+    caches, seqs, out = [], [], []
+    for step in range(steps):
+        for i, (policy, params, n, join) in enumerate(ROWS):
+            if join == step:
+                caches.append(kvtier.make_cache(policy, model, **params))
+                seqs.append(_prompt(i, n, vocab))
+        rc = RowsCache(caches, lengths=[len(s) for s in seqs])
+        ids = torch.tensor([[t for s in seqs for t in s]])
+        pos, last = rc.positions(), rc.last_positions()
+        with torch.no_grad():
+            if how == "model":
+                lg = model(input_ids=ids, position_ids=pos, **cache_kw(model, rc), use_cache=True,
+                           logits_to_keep=last).logits
+            else:
+                lg = direct(ids, rc, pos, last)
+        out.append(lg)
+        seqs = [[int(t)] for t in lg[0].float().argmax(dim=-1)]
+    return out
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama", "tiny-mistral", "tiny-qwen3"])
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "eager"), (torch.bfloat16, "packed")])
+def test_direct_step_gives_the_models_logits_bit_for_bit(preset, dtype, mode):
+    """Packed prefills, a row joining decoding rows, full / tiered / eager-kernel rows, reassignments: at every one of
+    40 steps the direct step's logits equal the model forward's (twin caches, each path fed its own greedy tokens)."""
+    model = random_model(preset, dtype=dtype)
+    prepare_step(model, mode)
+    step = direct_step(model)
+    assert step is not None
+    ref, got = _steps(model, "model", None), _steps(model, "direct", step)
+    for i, (a, b) in enumerate(zip(ref, got)):
+        assert a.dtype == b.dtype and torch.equal(a, b), f"step {i}: max |diff| {(a.float() - b.float()).abs().max()}"
+
+
+def test_models_the_step_does_not_know_keep_their_forward(caplog):
+    gemma = random_model("tiny-gemma3", dtype=torch.float32)
+    assert "is not one of" in unsupported(gemma)
+    with caplog.at_level(logging.INFO, logger="kvtier.step.direct"):
+        assert direct_step(gemma) is None
+    assert "the model's own forward" in caplog.text and "gemma3" in caplog.text
+    with pytest.raises(ValueError, match="no direct step"):
+        DirectStep(gemma)
+    sub = random_model("tiny-qwen2", dtype=torch.float32)
+    sub.__class__ = type("MyQwen2", (type(sub),), {})  # a subclass may change the math: refused by name
+    assert "is not transformers' Qwen2ForCausalLM" in unsupported(sub) and direct_step(sub) is None
+
+
+def test_a_direct_step_that_differs_is_not_used(monkeypatch, caplog):
+    """The check before use can fail: a step one unit off in one logit is refused, with the difference logged."""
+    model = random_model("tiny-qwen2", dtype=torch.float32)
+    real = DirectStep.__call__
+
+    def off(self, *a):
+        lg = real(self, *a)
+        lg[0, 0, 0] = torch.nextafter(lg[0, 0, 0], torch.tensor(float("inf")))
+        return lg
+
+    monkeypatch.setattr(DirectStep, "__call__", off)
+    with caplog.at_level(logging.INFO, logger="kvtier.step.direct"):
+        assert direct_step(model) is None
+    assert "prefill logits differ" in caplog.text
+    monkeypatch.setattr(direct_mod, "_agree", lambda m, s: (_ for _ in ()).throw(RuntimeError("boom")))
+    assert direct_step(model) is None  # a failing check keeps the model's forward too
