@@ -4,10 +4,12 @@ Why: a decode step of a small model on a CPU pays for transformers' forward plum
 layer, attention and MLP modules' ``__call__``, their keyword arguments, the causal mask built for a ``RowsCache``
 that ignores it, the output wrappers. :class:`DirectStep` calls the ops those modules run (the projections, norms,
 activation and rotary embedding as the model's own modules and functions, the ``RowsCache`` layer's update and
-attend, the residual adds, the lm head) in the same order on the same tensors from one loop. Measured on a 2-core
-Xeon with AMX (Qwen2.5-0.5B bf16, serve's rows step at 384 tokens, the two paths stepped back to back on twin caches,
-``benchmarks/module_overhead.py``): 2.0 ms a step saved at 1 row (of 64), 2.1 at 8 (of 74), 3.6 at 32 (of 107),
-the direct step faster in 59-64 of 72 paired steps; the logits equal the model's at every step.
+attend, the residual adds, the lm head) in the same order on the same tensors from one loop; kvtier's own packed
+linears and fused norms are called as their one kernel call each (a fused q/k/v or gate/up weight: its one product,
+cut into the members' columns, as their modules return it). Measured on a 2-core Xeon with AMX (Qwen2.5-0.5B
+bf16, serve's rows step at 384 tokens, the two paths stepped back to back on twin caches,
+``benchmarks/module_overhead.py``): 3.6 ms a step saved at 1 row (of 63), 3.6 at 8 (of 70), 4.2 at 32 (of 107),
+the direct step faster in 62-70 of 72 paired steps; the logits equal the model's at every step.
 
 Which models: ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` (its per-head q/k norms) whose causal-LM, model and
 decoder-layer classes are transformers' own for that type (a subclass or a remote-code model may change the math)
@@ -26,6 +28,9 @@ import sys
 
 import torch
 from torch import nn
+
+from .linear import FusedLinear, PackedLinear, _run_packed
+from .norm import FusedRMSNorm, rms_norm
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +63,31 @@ def unsupported(model: nn.Module) -> str | None:
     return None
 
 
+def _linear(m: nn.Module):
+    """``m``'s forward as a plain function: a packed kvtier linear's one oneDNN call, else the module itself."""
+    if type(m) is PackedLinear:
+        return lambda x: _run_packed(x, m.packed, m.bias)
+    return m
+
+
+def _siblings(*mods: nn.Module):
+    """``x -> (m(x) for m in mods)``: where they are the members of one fused weight in order, its one product cut
+    into their columns (what their FusedLinear calls return), else each module called."""
+    f = getattr(mods[0], "fused", None)
+    if all(type(m) is FusedLinear and m.fused is f and m.index == i for i, m in enumerate(mods)) \
+            and len(f.bounds) == len(mods):
+        cuts = [slice(a, b) for a, b in f.bounds]
+        return lambda x: [y[..., c] for y in (_run_packed(x, f.packed, f.bias),) for c in cuts]
+    return lambda x: [m(x) for m in mods]
+
+
+def _norm(m: nn.Module):
+    """``m``'s forward as a plain function: kvtier's fused RMSNorm called directly, else the module itself."""
+    if type(m) is FusedRMSNorm:
+        return lambda x: rms_norm(x, m.weight, m.variance_epsilon)
+    return m
+
+
 class DirectStep:
     """``step(input_ids, rc, position_ids, last) -> logits``: ``input_ids`` (1, N) the packed step's tokens,
     ``rc`` its :class:`~kvtier.cache.rows.RowsCache`, ``position_ids`` (1, N) (``rc.positions()``), ``last`` (B,) each
@@ -73,28 +103,35 @@ class DirectStep:
         self.layers = list(self.body.layers[: model.config.num_hidden_layers])
         # the model's own rotary function (every family here defines one in its modeling module)
         self.rotary = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        # per layer, its modules as plain functions where they are kvtier's own (no nn.Module call around them)
+        self.plan = [(_norm(x.input_layernorm), _siblings(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj),
+                      _linear(x.self_attn.o_proj), _norm(x.post_attention_layernorm),
+                      _siblings(x.mlp.gate_proj, x.mlp.up_proj), _linear(x.mlp.down_proj),
+                      (_norm(x.self_attn.q_norm), _norm(x.self_attn.k_norm)) if hasattr(x.self_attn, "q_norm") else None)
+                     for x in self.layers]
+        self.final_norm, self.lm_head = _norm(self.body.norm), _linear(model.lm_head)
 
     def __call__(self, input_ids: torch.Tensor, rc, position_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         body = self.body
         x = body.embed_tokens(input_ids)  # (1, N, hidden)
         cos, sin = body.rotary_emb(x, position_ids)
         n = x.shape[1]
-        for i, layer in enumerate(self.layers):
-            a, mlp = layer.self_attn, layer.mlp
-            h = layer.input_layernorm(x)
+        for i, (layer, (norm1, qkv, o_proj, norm2, gate_up, down, qk_norm)) in enumerate(zip(self.layers, self.plan)):
+            a = layer.self_attn
+            h = norm1(x)
             shape = (1, n, -1, a.head_dim)
-            q, k, v = a.q_proj(h).view(shape), a.k_proj(h).view(shape), a.v_proj(h).view(shape)
-            if hasattr(a, "q_norm"):  # qwen3: RMSNorm over each head's dims, before the rotary embedding
-                q, k = a.q_norm(q), a.k_norm(k)
+            q, k, v = (y.view(shape) for y in qkv(h))
+            if qk_norm is not None:  # qwen3: RMSNorm over each head's dims, before the rotary embedding
+                q, k = qk_norm[0](q), qk_norm[1](k)
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (1, heads, N, head_dim)
             q, k = self.rotary(q, k, cos, sin)
             cache = rc.layers[i]
             k, v = cache.update(k, v)
             o = cache.attend(q, k, v, None, a.scaling)[0]  # (1, N, Hq, head_dim); a RowsCache needs no mask
-            x = x + a.o_proj(o.reshape(1, n, -1).contiguous())
-            h = layer.post_attention_layernorm(x)
-            x = x + mlp.down_proj(mlp.act_fn(mlp.gate_proj(h)) * mlp.up_proj(h))
-        return self.model.lm_head(body.norm(x)[:, last])
+            x = x + o_proj(o.reshape(1, n, -1).contiguous())
+            g, u = gate_up(norm2(x))
+            x = x + down(layer.mlp.act_fn(g) * u)
+        return self.lm_head(self.final_norm(x)[:, last])
 
 
 def _agree(model: nn.Module, step: DirectStep) -> str | None:

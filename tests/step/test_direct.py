@@ -11,7 +11,7 @@ import kvtier
 from kvtier.cache.rows import RowsCache
 from kvtier.compat import cache_kw
 from kvtier.models import random_model
-from kvtier.step import prepare_step
+from kvtier.step import FusedLinear, FusedRMSNorm, PackedLinear, prepare_step
 from kvtier.step import direct as direct_mod
 from kvtier.step.direct import DirectStep, direct_step, unsupported
 
@@ -50,14 +50,19 @@ def _steps(model, how: str, direct: DirectStep | None, steps: int = 40) -> list[
 
 @pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama", "tiny-mistral", "tiny-qwen3"])
 @pytest.mark.parametrize("dtype,mode", [(torch.float32, "eager"), (torch.bfloat16, "packed")])
-def test_direct_step_gives_the_models_logits_bit_for_bit(preset, dtype, mode):
+def test_direct_step_gives_the_models_logits_bit_for_bit(preset, dtype, mode, monkeypatch):
     """Packed prefills, a row joining decoding rows, full / tiered / eager-kernel rows, reassignments: at every one of
-    40 steps the direct step's logits equal the model forward's (twin caches, each path fed its own greedy tokens)."""
+    40 steps the direct step's logits equal the model forward's (twin caches, each path fed its own greedy tokens).
+    Packed, it calls kvtier's linears and norms as their kernels, never through their modules."""
     model = random_model(preset, dtype=dtype)
     prepare_step(model, mode)
     step = direct_step(model)
     assert step is not None
-    ref, got = _steps(model, "model", None), _steps(model, "direct", step)
+    ref = _steps(model, "model", None)
+    if mode == "packed":
+        for cls in (FusedLinear, PackedLinear, FusedRMSNorm):
+            monkeypatch.setattr(cls, "forward", lambda *a: pytest.fail("a kvtier module called"))
+    got = _steps(model, "direct", step)
     for i, (a, b) in enumerate(zip(ref, got)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"step {i}: max |diff| {(a.float() - b.float()).abs().max()}"
 
