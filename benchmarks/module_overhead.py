@@ -42,7 +42,8 @@ def paired(model, direct, batch: int, context: int, steps: int, seed: int) -> tu
     ``direct`` on the other, back to back (which goes first alternates), so that the machine's drift (other guests'
     memory traffic moves a 32-row step by 20 ms here) hits both alike. Returns the per-step ms of each and whether
     every step's logits were equal."""
-    ids = torch.randint(10, model.config.vocab_size - 10, (batch, context), generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, model.config.vocab_size - 10, (batch, context), generator=gen)
     sets, lasts = [], []
     for _ in range(2):
         caches = [kvtier.make_cache("full", model) for _ in range(batch)]

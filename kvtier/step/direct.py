@@ -107,7 +107,8 @@ class DirectStep:
         self.plan = [(_norm(x.input_layernorm), _siblings(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj),
                       _linear(x.self_attn.o_proj), _norm(x.post_attention_layernorm),
                       _siblings(x.mlp.gate_proj, x.mlp.up_proj), _linear(x.mlp.down_proj),
-                      (_norm(x.self_attn.q_norm), _norm(x.self_attn.k_norm)) if hasattr(x.self_attn, "q_norm") else None)
+                      (_norm(x.self_attn.q_norm), _norm(x.self_attn.k_norm))
+                      if hasattr(x.self_attn, "q_norm") else None)
                      for x in self.layers]
         self.final_norm, self.lm_head = _norm(self.body.norm), _linear(model.lm_head)
 
