@@ -6,10 +6,11 @@ that ignores it, the output wrappers. :class:`DirectStep` calls the ops those mo
 activation and rotary embedding as the model's own modules and functions, the ``RowsCache`` layer's update and
 attend, the residual adds, the lm head) in the same order on the same tensors from one loop; kvtier's own packed
 linears and fused norms are called as their one kernel call each (a fused q/k/v or gate/up weight: its one product,
-cut into the members' columns, as their modules return it). Measured on a 2-core Xeon with AMX (Qwen2.5-0.5B
+cut into the members' columns, as their modules return it), and a bf16 rotary embedding as one kernel call per
+tensor (:mod:`kvtier.step.rotary`, the model function's rounding). Measured on a 2-core Xeon with AMX (Qwen2.5-0.5B
 bf16, serve's rows step at 384 tokens, the two paths stepped back to back on twin caches,
-``benchmarks/module_overhead.py``): 3.6 ms a step saved at 1 row (of 63), 3.6 at 8 (of 70), 4.2 at 32 (of 107),
-the direct step faster in 62-70 of 72 paired steps; the logits equal the model's at every step.
+``benchmarks/module_overhead.py``): 5.1 ms a step saved at 1 row (of 63), 3.7 at 8 (of 76), 5.0 at 32 (of 115),
+the direct step faster in 64-72 of 72 paired steps; the logits equal the model's at every step.
 
 Which models: ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` (its per-head q/k norms) whose causal-LM, model and
 decoder-layer classes are transformers' own for that type (a subclass or a remote-code model may change the math)
@@ -31,6 +32,7 @@ from torch import nn
 
 from .linear import FusedLinear, PackedLinear, _run_packed
 from .norm import FusedRMSNorm, rms_norm
+from .rotary import fused_rotary
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +103,9 @@ class DirectStep:
         self.model = model
         self.body = model.model
         self.layers = list(self.body.layers[: model.config.num_hidden_layers])
-        # the model's own rotary function (every family here defines one in its modeling module)
-        self.rotary = sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        # the model's own rotary function (every family here defines one in its modeling module), as one kernel call
+        # per tensor where it takes the tensors (bf16 on a CPU: kvtier.step.rotary, the function's rounding)
+        self.rotary = fused_rotary(sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb)
         # per layer, its modules as plain functions where they are kvtier's own (no nn.Module call around them)
         self.plan = [(_norm(x.input_layernorm), _siblings(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj),
                       _linear(x.self_attn.o_proj), _norm(x.post_attention_layernorm),
