@@ -29,7 +29,8 @@ def _dense(x: torch.Tensor) -> bool:
 def fused_rotary(reference: Rotary) -> Rotary:
     """``(q, k, cos, sin) -> (q, k)`` equal to ``reference`` (the model's ``apply_rotary_pos_emb``): the kernel for
     what it takes — q/k (1, H, N, D) bf16 CPU tensors, contiguous or transposed from (1, N, H, D); cos/sin
-    (1, N, D) bf16, last dim contiguous; no gradient — else ``reference`` itself. Where the kernel cannot be built: ``reference``."""
+    (1, N, D) bf16, last dim contiguous; no gradient — else ``reference`` itself. Where the kernel cannot be built:
+    ``reference``."""
     mod = _module()
     if mod is None or not hasattr(mod, "rotary"):
         return reference
