@@ -331,23 +331,25 @@ class Engine:
         return self._running
 
     def start(self) -> "Engine":
-        """Start the generation thread; returns once it has prepared the model (``cfg.linear``)."""
+        """Start the generation thread; returns once it has prepared the model (``cfg.linear``) and its step
+        (:meth:`_prepared`: the continuous engine's check of its direct step)."""
         if self._thread is None:
             prepared = threading.Event()
 
             def run() -> None:
                 try:
-                    if self.cfg.linear is not None:
-                        from ..step import prepare_step
+                    try:
+                        if self.cfg.linear is not None:
+                            from ..step import prepare_step
 
-                        prepare_step(self.model, self.cfg.linear)
-                except Exception:
-                    log.exception("preparing the model's step (packed linears, fused norms) failed; serving it as "
-                                  "loaded")
-                try:
-                    self._prepared()
-                except Exception:
-                    log.exception("preparing the engine's step failed")
+                            prepare_step(self.model, self.cfg.linear)
+                    except Exception:
+                        log.exception("preparing the model's step (packed linears, fused norms) failed; serving it "
+                                      "as loaded")
+                    try:
+                        self._prepared()
+                    except Exception:
+                        log.exception("preparing the engine's step failed")
                 finally:
                     prepared.set()
                 self._loop()
