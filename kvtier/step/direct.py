@@ -138,32 +138,37 @@ class DirectStep:
         return self.lm_head(self.final_norm(x)[:, last])
 
 
+def rows_logits(model: nn.Module, step: DirectStep | None, caches: list, seqs: list[list[int]]) -> torch.Tensor:
+    """One packed step of ``caches`` (one-row caches) taking ``seqs`` (each row's new tokens: a prompt for an empty
+    cache, else one token), through ``step`` or, None, the model's own forward: logits (1, B, V)."""
+    from ..cache.rows import RowsCache
+    from ..compat import cache_kw
+
+    dev = next(model.parameters()).device
+    rc = RowsCache(caches, lengths=[len(s) for s in seqs])
+    ids = torch.tensor([[t for s in seqs for t in s]], device=dev)
+    pos, last = rc.positions(dev), rc.last_positions(dev)
+    with torch.no_grad():
+        if step is None:
+            return model(input_ids=ids, position_ids=pos, **cache_kw(model, rc), use_cache=True,
+                         logits_to_keep=last).logits
+        return step(ids, rc, pos, last)
+
+
 def _agree(model: nn.Module, step: DirectStep) -> str | None:
     """Run a packed prefill of two prompts and one decode step through the model's forward and through ``step``, on
     fresh ``full`` caches each; None when every logit is equal, else what differed."""
     import kvtier
-    from ..cache.rows import RowsCache
-    from ..compat import cache_kw
 
     vocab = model.config.vocab_size
     prompts = [[(7 * j + 3) % vocab for j in range(9)], [(11 * j + 5) % vocab for j in range(5)]]
-    dev = next(model.parameters()).device
     runs = []
-    for how in ("model", "direct"):
+    for how in (None, step):
         caches = [kvtier.make_cache("full", model) for _ in prompts]
         seqs, out = prompts, []
         for _ in range(2):  # the packed prefill, then one decode step
-            rc = RowsCache(caches, lengths=[len(s) for s in seqs])
-            ids = torch.tensor([[t for s in seqs for t in s]], device=dev)
-            pos, last = rc.positions(dev), rc.last_positions(dev)
-            with torch.no_grad():
-                if how == "model":
-                    lg = model(input_ids=ids, position_ids=pos, **cache_kw(model, rc), use_cache=True,
-                               logits_to_keep=last).logits
-                else:
-                    lg = step(ids, rc, pos, last)
-            out.append(lg)
-            seqs = [[int(t)] for t in lg[0].float().argmax(dim=-1)]
+            out.append(rows_logits(model, how, caches, seqs))
+            seqs = [[int(t)] for t in out[-1][0].float().argmax(dim=-1)]
         runs.append(out)
     for name, a, b in zip(("prefill", "decode"), *runs):
         if a.shape != b.shape or not torch.equal(a, b):

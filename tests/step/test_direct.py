@@ -8,12 +8,10 @@ import pytest
 import torch
 
 import kvtier
-from kvtier.cache.rows import RowsCache
-from kvtier.compat import cache_kw
 from kvtier.models import random_model
 from kvtier.step import FusedLinear, FusedRMSNorm, PackedLinear, prepare_step
 from kvtier.step import direct as direct_mod
-from kvtier.step.direct import DirectStep, direct_step, unsupported
+from kvtier.step.direct import DirectStep, direct_step, rows_logits, unsupported
 
 NO_EVICT = {"hbm_ratio": 0.3, "evict_ratio": 0.0, "recent_window": 4, "retier_interval": 8}
 # row 0 full (the rows kernel), row 1 tiered without eviction (its own split attention, reassigned every 8 steps),
@@ -34,15 +32,7 @@ def _steps(model, how: str, direct: DirectStep | None, steps: int = 40) -> list[
             if join == step:
                 caches.append(kvtier.make_cache(policy, model, **params))
                 seqs.append(_prompt(i, n, vocab))
-        rc = RowsCache(caches, lengths=[len(s) for s in seqs])
-        ids = torch.tensor([[t for s in seqs for t in s]])
-        pos, last = rc.positions(), rc.last_positions()
-        with torch.no_grad():
-            if how == "model":
-                lg = model(input_ids=ids, position_ids=pos, **cache_kw(model, rc), use_cache=True,
-                           logits_to_keep=last).logits
-            else:
-                lg = direct(ids, rc, pos, last)
+        lg = rows_logits(model, direct if how == "direct" else None, caches, seqs)
         out.append(lg)
         seqs = [[int(t)] for t in lg[0].float().argmax(dim=-1)]
     return out
