@@ -32,9 +32,8 @@ import torch
 
 import kvtier
 from kvtier.attention import fused_cpu
-from kvtier.cache.rows import RowsCache
 from kvtier.compat import cache_kw
-from kvtier.step.direct import direct_step
+from kvtier.step.direct import direct_step, rows_logits
 
 
 def paired(model, direct, batch: int, context: int, steps: int, seed: int) -> tuple[list, list, bool]:
@@ -57,13 +56,7 @@ def paired(model, direct, batch: int, context: int, steps: int, seed: int) -> tu
         for how in ("model", "direct") if s % 2 == 0 else ("direct", "model"):
             caches, last = (sets[0], lasts[0]) if how == "model" else (sets[1], lasts[1])
             t = time.perf_counter()
-            rc = RowsCache(caches, lengths=[1] * batch)
-            inp, pos, at = torch.tensor([last]), rc.positions(), rc.last_positions()
-            if how == "model":
-                lg = model(input_ids=inp, position_ids=pos, **cache_kw(model, rc), use_cache=True,
-                           logits_to_keep=at).logits[0]
-            else:
-                lg = direct(inp, rc, pos, at)[0]
+            lg = rows_logits(model, direct if how == "direct" else None, caches, [[x] for x in last])[0]
             last[:] = fused_cpu.argmax_rows(lg).tolist()
             if s >= 4:
                 ms[how].append(1e3 * (time.perf_counter() - t))

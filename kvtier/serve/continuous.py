@@ -32,8 +32,8 @@ import torch
 from ..attention.fused_cpu import argmax_rows
 from ..cache.base import model_shape
 from ..cache.state import full_columns, tail_columns
-from ..compat import cache_kw
 from ..config import TierConfig
+from ..step.direct import direct_step, rows_logits
 from ..tiers.layout import grown_capacity
 from .engine import Engine, GenRequest, NeverFits, _safe_sink
 from .scheduler import Decision, RowNeed, WaitNeed, admit_by_count, decide
@@ -89,8 +89,6 @@ class ContinuousEngine(Engine):
 
     def _prepared(self) -> None:
         if self.cfg.direct_step:
-            from ..step.direct import direct_step
-
             self._direct = direct_step(self.model)
 
     @property
@@ -282,21 +280,11 @@ class ContinuousEngine(Engine):
         """One forward over every running row: its next token, or a joining row's whole prefill, packed end to end
         in one sequence (:class:`kvtier.cache.rows.RowsCache` with ``lengths``); each row draws its next token."""
         rows = list(self.rows)
-        from ..cache.rows import RowsCache
-
         seqs = [r.pending if r.pending is not None else [r.generated[-1]] for r in rows]
         joining = [len(r.pending) for r in rows if r.pending is not None]
         t0 = time.perf_counter()
-        rc = RowsCache([r.cache for r in rows], lengths=[len(q) for q in seqs])
-        dev = self.model.device
-        ids = torch.tensor([[t for q in seqs for t in q]], device=dev)
-        with torch.no_grad():
-            if self._direct is not None:
-                logits = self._direct(ids, rc, rc.positions(dev), rc.last_positions(dev))[0]  # (B, V), model dtype
-            else:
-                logits = self.model(input_ids=ids, position_ids=rc.positions(dev), **cache_kw(self.model, rc),
-                                    use_cache=True, logits_to_keep=rc.last_positions(dev)).logits[0]
-        del rc
+        # (B, V) in the model's dtype: through the direct step where it was checked, else the model's forward
+        logits = rows_logits(self.model, self._direct, [r.cache for r in rows], seqs)[0]
         for r in rows:
             r.pending = None
         self._note_device()
