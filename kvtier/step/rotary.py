@@ -32,7 +32,7 @@ def fused_rotary(reference: Rotary) -> Rotary:
     (1, N, D) bf16, last dim contiguous; no gradient — else ``reference`` itself. Where the kernel cannot be built:
     ``reference``."""
     mod = _module()
-    if mod is None or not hasattr(mod, "rotary"):
+    if mod is None:
         return reference
 
     def rotary(q, k, cos, sin):
@@ -43,8 +43,7 @@ def fused_rotary(reference: Rotary) -> Rotary:
                 and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
                 and _dense(q) and _dense(k)
                 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
-            qo, ko = mod.rotary(q, k, cos, sin)
-            return qo, ko
+            return tuple(mod.rotary(q, k, cos, sin))
         return reference(q, k, cos, sin)
 
     return rotary
