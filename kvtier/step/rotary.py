@@ -21,14 +21,10 @@ from .norm import _module  # the one build of csrc/step_cpu.cpp
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
 
-def _dense(x: torch.Tensor) -> bool:
-    """(1, H, N, D) laid out as (1, H, N, D) or as the transposed view of a (1, N, H, D) projection output."""
-    return x.is_contiguous() or x.transpose(1, 2).is_contiguous()
-
-
 def fused_rotary(reference: Rotary) -> Rotary:
     """``(q, k, cos, sin) -> (q, k)`` equal to ``reference`` (the model's ``apply_rotary_pos_emb``): the kernel for
-    what it takes — q/k (1, H, N, D) bf16 CPU tensors, contiguous or transposed from (1, N, H, D); cos/sin
+    what it takes — q/k (1, H, N, D) bf16 CPU tensors, last dim contiguous (contiguous, the per-head view of a
+    (1, N, H, D) projection output, or of a column slice of a fused q/k/v product: their strides are read); cos/sin
     (1, N, D) bf16, last dim contiguous; no gradient — else ``reference`` itself. Where the kernel cannot be built:
     ``reference``."""
     mod = _module()
@@ -41,7 +37,6 @@ def fused_rotary(reference: Rotary) -> Rotary:
                 and q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] == 1 and d % 2 == 0
                 and k.shape[-2:] == q.shape[-2:] and cos.shape == sin.shape == (1, n, d)
                 and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
-                and _dense(q) and _dense(k)
                 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
             return tuple(mod.rotary(q, k, cos, sin))
         return reference(q, k, cos, sin)

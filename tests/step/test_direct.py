@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import pytest
 import torch
@@ -43,7 +44,8 @@ def _steps(model, how: str, direct: DirectStep | None, steps: int = 40) -> list[
 def test_direct_step_gives_the_models_logits_bit_for_bit(preset, dtype, mode, monkeypatch):
     """Packed prefills, a row joining decoding rows, full / tiered / eager-kernel rows, reassignments: at every one of
     40 steps the direct step's logits equal the model forward's (twin caches, each path fed its own greedy tokens).
-    Packed, it calls kvtier's linears and norms as their kernels, never through their modules."""
+    Packed, it calls kvtier's linears and norms as their kernels, never through their modules, and the rotary
+    kernel, never the model's function."""
     model = random_model(preset, dtype=dtype)
     prepare_step(model, mode)
     step = direct_step(model)
@@ -52,6 +54,11 @@ def test_direct_step_gives_the_models_logits_bit_for_bit(preset, dtype, mode, mo
     if mode == "packed":
         for cls in (FusedLinear, PackedLinear, FusedRMSNorm):
             monkeypatch.setattr(cls, "forward", lambda *a: pytest.fail("a kvtier module called"))
+        # and the rotary embedding is the kernel's (q and k are column slices of the fused q/k/v product), never
+        # the model's function: a step built over a function that fails
+        modeling = sys.modules[type(model.model.layers[0].self_attn).__module__]
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb", lambda *a, **k: pytest.fail("the model's rotary"))
+        step = DirectStep(model)
     got = _steps(model, "direct", step)
     for i, (a, b) in enumerate(zip(ref, got)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"step {i}: max |diff| {(a.float() - b.float()).abs().max()}"

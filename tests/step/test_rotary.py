@@ -20,11 +20,16 @@ def _inputs(hq, hk, n, d, layout, seed=0, scale=4.0):
     pos = torch.arange(7, 7 + n, dtype=torch.float32)
     inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     emb = torch.cat([pos[:, None] * inv[None]] * 2, dim=-1)[None]  # (1, N, D), as the rotary modules build it
-    return proj(hq), proj(hk), emb.cos().bfloat16(), emb.sin().bfloat16()
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    if layout == "sliced":  # column slices of one fused q/k/v product (1, N, (Hq + 2 Hk) D), viewed per head
+        y = (torch.randn(1, n, (hq + 2 * hk) * d, generator=g) * scale).bfloat16()
+        q, k = y[..., : hq * d], y[..., hq * d : (hq + hk) * d]
+        return q.view(1, n, hq, d).transpose(1, 2), k.view(1, n, hk, d).transpose(1, 2), cos, sin
+    return proj(hq), proj(hk), cos, sin
 
 
 @pytest.mark.parametrize("hq,hk,n,d", [(14, 2, 1, 64), (14, 2, 37, 64), (8, 8, 5, 128), (4, 2, 300, 32), (2, 1, 3, 8)])
-@pytest.mark.parametrize("layout", ["projected", "contiguous"])
+@pytest.mark.parametrize("layout", ["projected", "contiguous", "sliced"])
 def test_fused_rotary_equals_the_models_function_bit_for_bit(hq, hk, n, d, layout):
     rot = fused_rotary(apply_rotary_pos_emb)
     assert rot is not apply_rotary_pos_emb, "the step kernel did not build"

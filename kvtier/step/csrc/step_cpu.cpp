@@ -62,15 +62,17 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   return y;
 }
 
-// transformers' apply_rotary_pos_emb on one bf16 tensor x (1, H, N, D), last dim contiguous, with cos/sin (1, N, D):
+// transformers' apply_rotary_pos_emb on one bf16 tensor x (1, H, N, D), last dim contiguous (its other strides any:
+// a column slice of a fused q/k/v product too), with cos/sin (1, N, D):
 // x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]), each of the three eager
-// ops rounded to bf16 as torch rounds it (float32 arithmetic, round to nearest even); the negation is exact. The
-// result has x's memory order ((1, N, H, D) when x is the transposed view a projection's output gives), as torch's
-// elementwise ops lay theirs out.
+// ops rounded to bf16 as torch rounds it (float32 arithmetic, round to nearest even); the negation is exact.
 torch::Tensor rotary_one(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   using bf16 = c10::BFloat16;
   const int64_t H = x.size(1), N = x.size(2), D = x.size(3), half = D / 2;
-  auto out = torch::empty_like(x);  // preserves x's strides (dense, non-overlapping)
+  // torch lays an elementwise result out in x's dimension order: (1, N, H, D) in memory when x's heads are the
+  // inner dim (the per-head view of a projection's output, or of a column slice of a fused q/k/v product)
+  auto out = x.stride(1) <= x.stride(2) ? torch::empty({1, N, H, D}, x.options()).transpose(1, 2)
+                                        : torch::empty({1, H, N, D}, x.options());
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const bf16* cp = cos.data_ptr<bf16>();
@@ -98,9 +100,8 @@ torch::Tensor rotary_one(const torch::Tensor& x, const torch::Tensor& cos, const
 std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
   for (const auto* t : {&q, &k})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == 1 &&
-                    t->stride(3) == 1 && t->size(3) % 2 == 0 && t->size(2) == q.size(2) && t->size(3) == q.size(3) &&
-                    t->is_non_overlapping_and_dense(),
-                "rotary: q and k (1, H, N, D) bfloat16 on the CPU, dense, last dim contiguous, D even, one N and D");
+                    t->stride(3) == 1 && t->size(3) % 2 == 0 && t->size(2) == q.size(2) && t->size(3) == q.size(3),
+                "rotary: q and k (1, H, N, D) bfloat16 on the CPU, last dim contiguous, D even, one N and D");
   for (const auto* t : {&cos, &sin})
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == 1 &&
                     t->size(1) == q.size(2) && t->size(2) == q.size(3) && t->stride(2) == 1,
