@@ -51,6 +51,24 @@ def quiet_tokenizer_threads() -> bool:
     return True
 
 
+def freeze_startup_objects() -> int:
+    """Move every object alive now (the model, its modules and kernels, the libraries' own) out of the cyclic
+    garbage collector's reach (``gc.freeze``), after one collection; returns how many.
+
+    Why: a full collection walks every tracked object, ~415,000 once the 0.5B model and the server are loaded: ~140 ms
+    on a 2-core Xeon, holding the GIL. The engine collects whenever it falls idle (so that released caches go at
+    once) and Python collects on its own now and then; a request arriving then waited for it: one closed-loop client's
+    time to first token was ~0.2 s where its ~100-token prefill takes ~0.1. Frozen, those objects are never
+    collected (they live as long as the server anyway) and a full collection walks only what was made since."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    n = gc.get_freeze_count()
+    log.info("froze %d startup objects out of the cyclic GC's walk (a full collection no longer visits them)", n)
+    return n
+
+
 def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, host: str = "127.0.0.1",
           port: int = 8000, grace_s: float = 10.0, on_ready=None) -> None:
     """Run the server until SIGINT/SIGTERM, then shut down gracefully: stop accepting connections, let in-flight
@@ -73,7 +91,8 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
             super().handle_exit(sig, frame)
 
         async def startup(self, sockets=None):
-            await super().startup(sockets)
+            await super().startup(sockets)  # the engine has started: the model and its step are prepared
+            freeze_startup_objects()
             if on_ready is not None and not self.should_exit:
                 on_ready(self)
 
