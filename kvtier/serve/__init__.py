@@ -55,7 +55,7 @@ def freeze_startup_objects() -> int:
     """Move every object alive now (the model, its modules and kernels, the libraries' own) out of the cyclic
     garbage collector's reach (``gc.freeze``), after one collection; returns how many.
 
-    Why: a full collection walks every tracked object, ~415,000 once the 0.5B model and the server are loaded: ~140 ms
+    Why: a full collection walks every tracked object, ~435,000 once the 0.5B model and the server are loaded: ~140 ms
     on a 2-core Xeon, holding the GIL. The engine collects whenever it falls idle (so that released caches go at
     once) and Python collects on its own now and then; a request arriving then waited for it: one closed-loop client's
     time to first token was ~0.2 s where its ~100-token prefill takes ~0.1. Frozen, those objects are never
