@@ -40,6 +40,12 @@ from ..attention import fused_cpu
 from .base import KVTierLayer, ShapeGuardedCache
 
 
+def _plain_call(row: KVTierLayer, region: tuple) -> tuple:
+    """A plain full decode row's kernel call at a layer after the first: layer 0's mask and positions (``region``),
+    this layer's K/V buffers, no scores (:func:`~kvtier.attention.fused_cpu.attend_rows`' per-row arguments)."""
+    return [row.dev_k], [row.dev_v], region[0], region[1], None, 0.0
+
+
 class RowsLayer(KVTierLayer):
     """Layer ``layer_idx`` of a batch of one-row caches: routes row ``i`` of each tensor to ``rows[i]``."""
 
@@ -149,12 +155,12 @@ class RowsLayer(KVTierLayer):
         lane = [None] * len(self.rows) if first else self.lane.get("regions")
         if not first and self.lane.get("all_regions"):  # every row a plain full decode row: no per-row branches
             together = range(len(self.rows))
-            calls = [([row.dev_k], [row.dev_v], b, p, None, 0.0) for row, (b, p) in zip(self.rows, lane)]
+            calls = [_plain_call(row, region) for row, region in zip(self.rows, lane)]
         else:
             for i, (row, (_, n)) in enumerate(zip(self.rows, spans)):
                 region = None if first or lane is None or row.is_sliding else lane[i]
                 if region is not None:  # a plain full decode row: layer 0's mask and positions, this layer's buffers
-                    call = [row.dev_k], [row.dev_v], region[0], region[1], None, 0.0
+                    call = _plain_call(row, region)
                 else:
                     call = row.fused_region(Hq, query.dtype) if n == 1 else None
                     if first and call is not None and cols is not None and cols[i] is not None:
