@@ -30,6 +30,7 @@ import sys
 import torch
 from torch import nn
 
+from ..compat import take_over
 from .linear import FusedLinear, PackedLinear, _run_packed
 from .norm import FusedRMSNorm, rms_norm
 from .rotary import fused_rotary
@@ -131,6 +132,7 @@ class DirectStep:
             q, k = self.rotary(q, k, cos, sin)
             cache = rc.layers[i]
             k, v = cache.update(k, v)
+            take_over(k)  # update handed its layer to the attention function, which this step does not call
             o = cache.attend(q, k, v, None, a.scaling)[0]  # (1, N, Hq, head_dim); a RowsCache needs no mask
             x = x + o_proj(o.reshape(1, n, -1).contiguous())
             g, u = gate_up(norm2(x))

@@ -93,3 +93,26 @@ def test_a_direct_step_that_differs_is_not_used(monkeypatch, caplog):
     assert "prefill logits differ" in caplog.text
     monkeypatch.setattr(direct_mod, "_agree", lambda m, s: (_ for _ in ()).throw(RuntimeError("boom")))
     assert direct_step(model) is None  # a failing check keeps the model's forward too
+
+
+def test_no_layer_outlives_its_direct_step():
+    """A layer's ``update`` hands the layer to the attention function (kvtier.compat.hand_over); the direct step
+    attends through the layer itself, so it must take the hand-over back: otherwise the last layer of the last
+    step, and with it every row's K/V buffers of that layer, stayed referenced from a thread-local after the step
+    (a finished request's memory, until the engine's next step)."""
+    import gc
+    import weakref
+
+    from kvtier.cache.rows import RowsCache
+
+    model = random_model("tiny-qwen2", dtype=torch.float32)
+    step = direct_step(model)
+    caches = [kvtier.make_cache("full", model) for _ in range(2)]
+    rows_logits(model, step, caches, [[5, 6, 7], [8, 9]])
+    rc = RowsCache(caches, lengths=[1, 1])
+    with torch.no_grad():
+        step(torch.tensor([[3, 4]]), rc, rc.positions(), rc.last_positions())
+    layers, buffers = [weakref.ref(x) for x in rc.layers], [weakref.ref(x.dev_k) for c in caches for x in c.layers]
+    del rc, caches
+    gc.collect()
+    assert all(w() is None for w in layers) and all(w() is None for w in buffers)
