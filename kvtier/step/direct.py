@@ -79,8 +79,10 @@ def _siblings(*mods: nn.Module):
     f = getattr(mods[0], "fused", None)
     if all(type(m) is FusedLinear and m.fused is f and m.index == i for i, m in enumerate(mods)) \
             and len(f.bounds) == len(mods):
-        cuts = [slice(a, b) for a, b in f.bounds]
-        return lambda x: [y[..., c] for y in (_run_packed(x, f.packed, f.bias),) for c in cuts]
+        # the members' columns tile the product in order (_Fused.bounds): one call cuts them all as views (indexing
+        # each slice took ~20 us a layer in a 32-row step)
+        sizes = [b - a for a, b in f.bounds]
+        return lambda x: torch.split_with_sizes(_run_packed(x, f.packed, f.bias), sizes, dim=-1)
     return lambda x: [m(x) for m in mods]
 
 
