@@ -40,7 +40,7 @@ def test_packed_linear_is_as_accurate_as_stock(dtype, shape, bias):
     w, b = lin.weight.detach().clone(), None if lin.bias is None else lin.bias.detach().clone()
     packed = PackedLinear(lin)
     ulp = torch.finfo(dtype).eps
-    for rows in (1, 2, 7, 32, 100, 333):
+    for rows in (1, 2, 7, 32, 100, 333, 449, 900):  # from 449 rows: in pieces (narrow weights)
         x = torch.randn(rows, in_f, generator=g).to(dtype)
         exact = x.double() @ w.double().T + (0 if b is None else b.double())
         ref = linear_reference(x, w, b)
@@ -55,6 +55,31 @@ def test_packed_linear_is_as_accurate_as_stock(dtype, shape, bias):
     x3 = torch.randn(3, 1, in_f, generator=g).to(dtype)
     assert torch.equal(packed(x3), packed(x3.reshape(3, in_f)).reshape(3, 1, out_f))
     assert torch.equal(packed(x3[0, 0]), packed(x3[0]).reshape(out_f))
+
+
+@needs_onednn
+@pytest.mark.parametrize("out_f,rows,pieces", [(896, 448, [448]), (896, 449, [225, 224]), (896, 900, [300] * 3),
+                                               (1152, 1500, [375] * 4), (4097, 900, [900])])
+def test_a_long_input_is_multiplied_in_pieces_of_its_rows(out_f, rows, pieces, monkeypatch):
+    """A prefill's product through a packed weight of at most CHUNK_MAX_OUT outputs goes to oneDNN in pieces of at
+    most CHUNK_ROWS rows (oneDNN runs some row counts at half speed here), as equal as may be; a wider weight and a
+    shorter input in one call. Each row's product lands in its own place (a row multiplied alone agrees with it to
+    float32 rounding: another row count may block its sum differently)."""
+    from kvtier.step import linear as lin_mod
+
+    g = torch.Generator().manual_seed(rows)
+    lin = nn.Linear(64, out_f, bias=True)
+    packed = PackedLinear(lin)
+    x = torch.randn(1, rows, 64, generator=g)
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(lin_mod.torch.ops.mkldnn, "_linear_pointwise",
+                        lambda a, *r: seen.append(a.numel() // a.shape[-1]) or real(a, *r))
+    y = packed(x)
+    assert seen == pieces and y.shape == (1, rows, out_f)
+    monkeypatch.undo()
+    for a in (0, rows // 2, rows - 1):
+        torch.testing.assert_close(y[0, a], packed(x[0, a : a + 1])[0], rtol=1e-5, atol=1e-5)
 
 
 @needs_onednn
