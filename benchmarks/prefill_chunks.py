@@ -29,7 +29,7 @@ from kvtier.step.direct import direct_step, rows_logits
 
 SHAPES = {"down (896 x 4864)": (896, 4864), "gate/up (9728 x 896)": (9728, 896), "q/k/v (1152 x 896)": (1152, 896),
           "o (896 x 896)": (896, 896)}
-ROWS = (256, 384, 512, 640, 736, 738, 768, 1024, 1500)
+ROWS = (256, 384, 512, 640, 736, 738, 768, 1024, 1280, 1500, 2048)
 PROMPTS = (105, 98, 112, 101, 95, 120, 107)
 
 
@@ -85,7 +85,8 @@ def main() -> None:
     (args.out / "lscpu.txt").write_text(cpu)
     res = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.machine(),
            "torch": torch.__version__, "threads": torch.get_num_threads(), "chunk_rows": lin_mod.CHUNK_ROWS,
-           "chunk_min_rows": lin_mod.CHUNK_MIN_ROWS, "chunk_max_out": lin_mod.CHUNK_MAX_OUT,
+           "chunk_min_rows": lin_mod.CHUNK_MIN_ROWS, "chunk_max_rows": lin_mod.CHUNK_MAX_ROWS,
+           "chunk_max_out": lin_mod.CHUNK_MAX_OUT,
            "us_per_row": per_row(), "prefill": prefill(args.reps)}
     (args.out / "prefill_chunks.json").write_text(json.dumps(res, indent=1))
     lines = ["| weight | " + " | ".join(str(m) for m in ROWS) + " |", "|---|" + "---|" * len(ROWS)]

@@ -78,25 +78,28 @@ def _pack(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), PACK_ROWS_HINT)
 
 
-# A long input (a prefill) is multiplied in pieces of at most CHUNK_ROWS rows where the weight is at most
-# CHUNK_MAX_OUT wide. Measured on a 2-core AMX Xeon (bf16, weights packed for 32 rows): oneDNN runs some row counts
-# at half speed — per row, the 0.5B model's down projection (896 x 4864) 4.0-4.4 us up to 736 rows, 7.9-8.2 us at
-# 738-1024, 4.4 us at 1500; its q/k/v (1152 x 896) and o (896 x 896) alike from ~512 or ~736 rows — while pieces of
-# <= 384 rows all run at the fast rate and give the same floats as the whole call (each row's sum runs in one order
-# either way; checked at 256-738 rows). The wide MLP gate/up product (9728 x 896) is not cut: slower in pieces.
-# A packed prefill of seven prompts (738 tokens): 536 -> 455 ms, logits bit for bit the same
+# A prefill-sized input is multiplied in pieces of at most CHUNK_ROWS rows where the weight is at most CHUNK_MAX_OUT
+# wide. Measured on a 2-core AMX Xeon (bf16, weights packed for 32 rows): oneDNN runs a window of row counts at
+# about half speed — per row, the 0.5B model's down projection (896 x 4864) 3.7-4.6 us up to 736 rows and from 1500
+# on, 7.6-8.5 us at 738-1280; its q/k/v (1152 x 896) and o (896 x 896) alike from ~512-736 to ~1100-1280 rows —
+# while pieces of <= 384 rows run at the fast rate and give the same floats as the whole call (each row's sum runs
+# in one order either way; checked at 256-738 rows). Past the window the whole call is the faster again (pieces
+# re-read the weight), and the wide MLP gate/up product (9728 x 896) has no such window: neither is cut.
+# A packed prefill of seven prompts (738 tokens): 575 -> 487 ms, logits bit for bit the same
 # (benchmarks/results/prefill_chunks_2026-12-06_xeon_amx/).
 CHUNK_ROWS = 384
 CHUNK_MIN_ROWS = 449  # from here on: pieces of at least 225 rows (smaller ones run slower per row)
+CHUNK_MAX_ROWS = 1280
 CHUNK_MAX_OUT = 4096
 
 
 def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) -> (..., out) through the packed weight (out, in): one oneDNN call, or for a long input and a
-    weight of at most CHUNK_MAX_OUT outputs, one per piece of at most CHUNK_ROWS rows (pieces as equal as may be)."""
+    """x (..., in) -> (..., out) through the packed weight (out, in): one oneDNN call, or for CHUNK_MIN_ROWS to
+    CHUNK_MAX_ROWS rows and a weight of at most CHUNK_MAX_OUT outputs, one per piece of at most CHUNK_ROWS rows
+    (pieces as equal as may be)."""
     x = x.contiguous()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if rows < CHUNK_MIN_ROWS or packed.size(0) > CHUNK_MAX_OUT:
+    if not CHUNK_MIN_ROWS <= rows <= CHUNK_MAX_ROWS or packed.size(0) > CHUNK_MAX_OUT:
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     n = -(-rows // CHUNK_ROWS)
     step = -(-rows // n)

@@ -59,11 +59,11 @@ def test_packed_linear_is_as_accurate_as_stock(dtype, shape, bias):
 
 @needs_onednn
 @pytest.mark.parametrize("out_f,rows,pieces", [(896, 448, [448]), (896, 449, [225, 224]), (896, 900, [300] * 3),
-                                               (1152, 1500, [375] * 4), (4097, 900, [900])])
+                                               (1152, 1280, [320] * 4), (896, 1281, [1281]), (4097, 900, [900])])
 def test_a_long_input_is_multiplied_in_pieces_of_its_rows(out_f, rows, pieces, monkeypatch):
-    """A prefill's product through a packed weight of at most CHUNK_MAX_OUT outputs goes to oneDNN in pieces of at
-    most CHUNK_ROWS rows (oneDNN runs some row counts at half speed here), as equal as may be; a wider weight and a
-    shorter input in one call. Each row's product lands in its own place (a row multiplied alone agrees with it to
+    """A prefill's product of CHUNK_MIN_ROWS to CHUNK_MAX_ROWS rows through a packed weight of at most
+    CHUNK_MAX_OUT outputs goes to oneDNN in pieces of at most CHUNK_ROWS rows (oneDNN runs those row counts at half
+    speed here), as equal as may be; a wider weight, a shorter and a longer input in one call. Each row's product lands in its own place (a row multiplied alone agrees with it to
     float32 rounding: another row count may block its sum differently)."""
     from kvtier.step import linear as lin_mod
 
