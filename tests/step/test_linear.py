@@ -63,8 +63,9 @@ def test_packed_linear_is_as_accurate_as_stock(dtype, shape, bias):
 def test_a_long_input_is_multiplied_in_pieces_of_its_rows(out_f, rows, pieces, monkeypatch):
     """A prefill's product of CHUNK_MIN_ROWS to CHUNK_MAX_ROWS rows through a packed weight of at most
     CHUNK_MAX_OUT outputs goes to oneDNN in pieces of at most CHUNK_ROWS rows (oneDNN runs those row counts at half
-    speed here), as equal as may be; a wider weight, a shorter and a longer input in one call. Each row's product lands in its own place (a row multiplied alone agrees with it to
-    float32 rounding: another row count may block its sum differently)."""
+    speed here), as equal as may be; a wider weight, a shorter and a longer input in one call. Each row's product
+    lands in its own place (a row multiplied alone agrees with it to float32 rounding: another row count may block
+    its sum differently)."""
     from kvtier.step import linear as lin_mod
 
     g = torch.Generator().manual_seed(rows)
