@@ -95,7 +95,7 @@ def serve(
                                  reasoning=reasoning, api_keys=keys, protect_metrics=protect_metrics,
                                  max_body_bytes=max_body_bytes, max_stream_buffer=max_stream_buffer)
         from ..config import parse_bytes
-        from ..step import fused_norm_count, linear_mode, packed_count
+        from ..step import fused_mlp_count, fused_norm_count, linear_mode, packed_count
 
         ecfg = EngineConfig(max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait, scheduler=scheduler,
                             device_kv_budget=None if device_kv_budget is None
@@ -110,9 +110,10 @@ def serve(
 
         def ready(server):
             eng = server.config.app.state.server.engine
-            packed, norms = packed_count(m), fused_norm_count(m)
+            packed, norms, mlps = packed_count(m), fused_norm_count(m), fused_mlp_count(m)
             step = f" · {m.dtype}, {packed} linears prepacked" if packed else f" · {m.dtype}, stock linears"
             step += f", {norms} norms fused" if norms else ", stock norms"
+            step += f", {mlps} MLPs fused" if mlps else ""
             console.print(f"kvtier serve: {settings.served_name} on http://{host}:{port}/v1 · policy {policy}"
                           f"{f' ({shown})' if shown else ''} · {eng.describe()}, queue {max_queue}{step}"
                           + (f" · {len(keys)} API key(s)" if keys else " · no API key"), highlight=False)

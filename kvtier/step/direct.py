@@ -5,9 +5,9 @@ layer, attention and MLP modules' ``__call__``, their keyword arguments, the cau
 that ignores it, the output wrappers. :class:`DirectStep` calls the ops those modules run (the projections, norms,
 activation and rotary embedding as the model's own modules and functions, the ``RowsCache`` layer's update and
 attend, the residual adds, the lm head) in the same order on the same tensors from one loop; kvtier's own packed
-linears and fused norms are called as their one kernel call each (a fused q/k/v or gate/up weight: its one product,
-cut into the members' columns, as their modules return it), and a bf16 rotary embedding as one kernel call per
-tensor (:mod:`kvtier.step.rotary`, the model function's rounding). Measured on a 2-core Xeon with AMX (Qwen2.5-0.5B
+linears, fused norms and fused MLP activations (:mod:`kvtier.step.mlp`) are called as their one kernel call each (a
+fused q/k/v or gate/up weight: its one product, cut into the members' columns, as their modules return it), and a
+bf16 rotary embedding as one kernel call per tensor (:mod:`kvtier.step.rotary`, the model function's rounding). Measured on a 2-core Xeon with AMX (Qwen2.5-0.5B
 bf16, serve's rows step at 384 tokens, the two paths stepped back to back on twin caches,
 ``benchmarks/module_overhead.py``): 5.1 ms a step saved at 1 row (of 63), 3.7 at 8 (of 76), 5.0 at 32 (of 115),
 the direct step faster in 64-72 of 72 paired steps; the logits equal the model's at every step.
@@ -32,6 +32,7 @@ from torch import nn
 
 from ..compat import take_over
 from .linear import FusedLinear, PackedLinear, _run_packed
+from .mlp import act_mul
 from .norm import FusedRMSNorm, rms_norm
 from .rotary import fused_rotary
 
@@ -112,7 +113,7 @@ class DirectStep:
         # per layer, its modules as plain functions where they are kvtier's own (no nn.Module call around them)
         self.plan = [(_norm(x.input_layernorm), _siblings(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj),
                       _linear(x.self_attn.o_proj), _norm(x.post_attention_layernorm),
-                      _siblings(x.mlp.gate_proj, x.mlp.up_proj), _linear(x.mlp.down_proj),
+                      _siblings(x.mlp.gate_proj, x.mlp.up_proj), act_mul(x.mlp), _linear(x.mlp.down_proj),
                       (_norm(x.self_attn.q_norm), _norm(x.self_attn.k_norm))
                       if hasattr(x.self_attn, "q_norm") else None)
                      for x in self.layers]
@@ -123,7 +124,8 @@ class DirectStep:
         x = body.embed_tokens(input_ids)  # (1, N, hidden)
         cos, sin = body.rotary_emb(x, position_ids)
         n = x.shape[1]
-        for i, (layer, (norm1, qkv, o_proj, norm2, gate_up, down, qk_norm)) in enumerate(zip(self.layers, self.plan)):
+        for i, (layer, (norm1, qkv, o_proj, norm2, gate_up, act, down, qk_norm)) in enumerate(zip(self.layers,
+                                                                                                  self.plan)):
             a = layer.self_attn
             h = norm1(x)
             shape = (1, n, -1, a.head_dim)
@@ -138,7 +140,7 @@ class DirectStep:
             o = cache.attend(q, k, v, None, a.scaling)[0]  # (1, N, Hq, head_dim); a RowsCache needs no mask
             x = x + o_proj(o.reshape(1, n, -1).contiguous())
             g, u = gate_up(norm2(x))
-            x = x + down(layer.mlp.act_fn(g) * u)
+            x = x + down(act(g, u))
         return self.lm_head(self.final_norm(x)[:, last])
 
 

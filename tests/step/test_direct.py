@@ -10,7 +10,7 @@ import torch
 
 import kvtier
 from kvtier.models import random_model
-from kvtier.step import FusedLinear, FusedRMSNorm, PackedLinear, prepare_step
+from kvtier.step import FusedLinear, FusedMLP, FusedRMSNorm, PackedLinear, prepare_step
 from kvtier.step import direct as direct_mod
 from kvtier.step.direct import DirectStep, direct_step, rows_logits, unsupported
 
@@ -44,15 +44,15 @@ def _steps(model, how: str, direct: DirectStep | None, steps: int = 40) -> list[
 def test_direct_step_gives_the_models_logits_bit_for_bit(preset, dtype, mode, monkeypatch):
     """Packed prefills, a row joining decoding rows, full / tiered / eager-kernel rows, reassignments: at every one of
     40 steps the direct step's logits equal the model forward's (twin caches, each path fed its own greedy tokens).
-    Packed, it calls kvtier's linears and norms as their kernels, never through their modules, and the rotary
-    kernel, never the model's function."""
+    Packed, it calls kvtier's linears, norms and MLP activations as their kernels, never through their modules,
+    and the rotary kernel, never the model's function."""
     model = random_model(preset, dtype=dtype)
     prepare_step(model, mode)
     step = direct_step(model)
     assert step is not None
     ref = _steps(model, "model", None)
     if mode == "packed":
-        for cls in (FusedLinear, PackedLinear, FusedRMSNorm):
+        for cls in (FusedLinear, PackedLinear, FusedRMSNorm, FusedMLP):
             monkeypatch.setattr(cls, "forward", lambda *a: pytest.fail("a kvtier module called"))
         # and the rotary embedding is the kernel's (q and k are column slices of the fused q/k/v product), never
         # the model's function: a step built over a function that fails

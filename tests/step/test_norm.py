@@ -125,7 +125,7 @@ def test_load_model_fuses_unless_eager():
 def _pair(preset: str, dtype: torch.dtype):
     eager = random_model(preset, dtype=dtype)
     fast = copy.deepcopy(eager)
-    linears, norms = prepare_step(fast, "packed")
+    linears, norms, _ = prepare_step(fast, "packed")
     assert norms >= 2 * eager.config.num_hidden_layers + 1
     return eager, fast
 

@@ -1,10 +1,15 @@
-// The decode step's small CPU ops around the projections, fused: RMSNorm (one pass per row, rows in parallel) and
-// the rotary embedding of q and k (one pass each, bf16). The reference each op is tested against is the model's own
-// module or function (tests/step/test_norm.py, tests/step/test_rotary.py).
+// The decode step's small CPU ops around the projections, fused: RMSNorm (one pass per row, rows in parallel), the
+// rotary embedding of q and k (one pass each, bf16) and a gated MLP's SiLU x product (one pass, bf16). The reference
+// each op is tested against is the model's own module or function (tests/step/test_norm.py,
+// tests/step/test_rotary.py, tests/step/test_mlp.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>
+#include <cstdint>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -109,9 +114,62 @@ std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tenso
   return {rotary_one(q, cos, sin), rotary_one(k, cos, sin)};
 }
 
+// A gated MLP's act(gate) * up for bf16 SiLU as torch's two eager ops compute it: silu(g) rounded to bf16, then the
+// product of two bf16 values in float32 (exact: 8-bit significands) rounded to nearest even once. silu(g) is read
+// from `table` (65536 float32: torch's own bf16 silu of every bit pattern, widened; kvtier/step/mlp.py builds it and
+// checks that torch's vector and scalar paths agree on every finite value), so the result is torch's whatever ISA
+// torch dispatched to. g and u (..., W) bf16 of one shape, last dim contiguous, rows of any uniform stride (the two
+// column halves of one fused gate/up product); returns (..., W) contiguous. NaN products come back as a NaN (its
+// payload may differ from torch's).
+torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u, torch::Tensor table) {
+  TORCH_CHECK(g.device().is_cpu() && u.device().is_cpu() && g.scalar_type() == at::kBFloat16 &&
+                  u.scalar_type() == at::kBFloat16 && g.dim() >= 1 && g.sizes() == u.sizes() && g.stride(-1) == 1 &&
+                  u.stride(-1) == 1,
+              "silu_mul: gate and up (..., W) bfloat16 on the CPU, one shape, last dim contiguous");
+  TORCH_CHECK(table.scalar_type() == at::kFloat && table.numel() == 65536 && table.is_contiguous(),
+              "silu_mul: table (65536,) float32 contiguous");
+  const int64_t W = g.size(-1), R = W ? g.numel() / W : 0;
+  auto out = torch::empty(g.sizes(), g.options());
+  if (R == 0) return out;
+  const auto g2 = g.view({R, W}), u2 = u.view({R, W});  // fails (clearly) when the rows are not uniform
+  const int64_t gs = g2.stride(0), us = u2.stride(0);
+  const uint16_t* gp = reinterpret_cast<const uint16_t*>(g2.data_ptr<c10::BFloat16>());
+  const c10::BFloat16* up = u2.data_ptr<c10::BFloat16>();
+  c10::BFloat16* op = out.data_ptr<c10::BFloat16>();
+  const float* tab = table.data_ptr<float>();
+  // grain: ~16K elements a chunk; fewer would wake the other thread for less work than its wake-up costs
+  at::parallel_for(0, R, std::max<int64_t>(1, 16384 / W), [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const uint16_t* gr = gp + r * gs;
+      const c10::BFloat16* ur = up + r * us;
+      c10::BFloat16* orow = op + r * W;
+      int64_t j = 0;
+#ifdef __AVX512F__
+      const __m512i one = _mm512_set1_epi32(1), bias = _mm512_set1_epi32(0x7fff), qnan = _mm512_set1_epi32(0x7fc0);
+      for (; j + 16 <= W; j += 16) {
+        const __m512i gi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gr + j)));
+        const __m512 s = _mm512_i32gather_ps(gi, tab, 4);
+        const __m512i ui = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ur + j)));
+        const __m512 p = _mm512_mul_ps(s, _mm512_castsi512_ps(_mm512_slli_epi32(ui, 16)));
+        // round to nearest even as c10::BFloat16(float) does (not VCVTNEPS2BF16: it flushes subnormals)
+        const __m512i pb = _mm512_castps_si512(p);
+        const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(pb, 16), one);
+        __m512i rb = _mm512_srli_epi32(_mm512_add_epi32(pb, _mm512_add_epi32(lsb, bias)), 16);
+        rb = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(p, p, _CMP_ORD_Q), qnan, rb);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(orow + j), _mm512_cvtepi32_epi16(rb));
+      }
+#endif
+      for (; j < W; ++j) orow[j] = static_cast<c10::BFloat16>(tab[gr[j]] * static_cast<float>(ur[j]));
+    }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "transformers' apply_rotary_pos_emb on bf16 q and k, its rounding (CPU)", py::arg("q"),
         py::arg("k"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, transformers' Llama/Qwen rounding (CPU)", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "a gated MLP's silu(gate) * up in bf16, torch's two ops' rounding (CPU)",
+        py::arg("gate"), py::arg("up"), py::arg("table"), py::call_guard<py::gil_scoped_release>());
 }
