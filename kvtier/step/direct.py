@@ -5,12 +5,13 @@ layer, attention and MLP modules' ``__call__``, their keyword arguments, the cau
 that ignores it, the output wrappers. :class:`DirectStep` calls the ops those modules run (the projections, norms,
 activation and rotary embedding as the model's own modules and functions, the ``RowsCache`` layer's update and
 attend, the residual adds, the lm head) in the same order on the same tensors from one loop; kvtier's own packed
-linears, fused norms and fused MLP activations (:mod:`kvtier.step.mlp`) are called as their one kernel call each (a
-fused q/k/v or gate/up weight: its one product, cut into the members' columns, as their modules return it), and a
-bf16 rotary embedding as one kernel call per tensor (:mod:`kvtier.step.rotary`, the model function's rounding). Measured on a 2-core Xeon with AMX (Qwen2.5-0.5B
-bf16, serve's rows step at 384 tokens, the two paths stepped back to back on twin caches,
-``benchmarks/module_overhead.py``): 5.1 ms a step saved at 1 row (of 63), 3.7 at 8 (of 76), 5.0 at 32 (of 115),
-the direct step faster in 64-72 of 72 paired steps; the logits equal the model's at every step.
+linears, fused norms (each with the residual add before it: :func:`kvtier.step.norm.add_rms_norm`) and fused MLP
+activations (:mod:`kvtier.step.mlp`) are called as their one kernel call each (a fused q/k/v or gate/up weight: its
+one product, cut into the members' columns, as their modules return it), and a bf16 rotary embedding as one kernel
+call per tensor (:mod:`kvtier.step.rotary`, the model function's rounding). Measured on a 2-core Xeon with AMX
+(Qwen2.5-0.5B bf16, serve's rows step at 384 tokens, the two paths stepped back to back on twin caches,
+``benchmarks/module_overhead.py``): 5.1 ms a step saved at 1 row (of 63), 3.7 at 8 (of 76), 5.0 at 32 (of 115), the
+direct step faster in 64-72 of 72 paired steps; the logits equal the model's at every step.
 
 Which models: ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` (its per-head q/k norms) whose causal-LM, model and
 decoder-layer classes are transformers' own for that type (a subclass or a remote-code model may change the math)
@@ -33,7 +34,7 @@ from torch import nn
 from ..compat import take_over
 from .linear import FusedLinear, PackedLinear, _run_packed
 from .mlp import act_mul
-from .norm import FusedRMSNorm, rms_norm
+from .norm import FusedRMSNorm, add_rms_norm, rms_norm
 from .rotary import fused_rotary
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,19 @@ def _norm(m: nn.Module):
     return m
 
 
+def _add_norm(m: nn.Module):
+    """``(x, y) -> (x + y, m(x + y))``: a residual add and the norm after it, one kernel pass for kvtier's fused
+    RMSNorm (the same tensors as the add and the norm apart; ~1 ms of a 32-row step), else the add and ``m``."""
+    if type(m) is FusedRMSNorm:
+        return lambda x, y: add_rms_norm(x, y, m.weight, m.variance_epsilon)
+
+    def apart(x, y):
+        s = x + y
+        return s, m(s)
+
+    return apart
+
+
 class DirectStep:
     """``step(input_ids, rc, position_ids, last) -> logits``: ``input_ids`` (1, N) the packed step's tokens,
     ``rc`` its :class:`~kvtier.cache.rows.RowsCache`, ``position_ids`` (1, N) (``rc.positions()``), ``last`` (B,) each
@@ -111,23 +125,26 @@ class DirectStep:
         # per tensor where it takes the tensors (bf16 on a CPU: kvtier.step.rotary, the function's rounding)
         self.rotary = fused_rotary(sys.modules[type(self.layers[0].self_attn).__module__].apply_rotary_pos_emb)
         # per layer, its modules as plain functions where they are kvtier's own (no nn.Module call around them)
-        self.plan = [(_norm(x.input_layernorm), _siblings(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj),
-                      _linear(x.self_attn.o_proj), _norm(x.post_attention_layernorm),
+        # (each residual add is fused with the norm that follows it: the layer's post-attention norm, and the next
+        # layer's input norm or the final norm)
+        after = [x.input_layernorm for x in self.layers[1:]] + [self.body.norm]
+        self.plan = [(_siblings(x.self_attn.q_proj, x.self_attn.k_proj, x.self_attn.v_proj),
+                      _linear(x.self_attn.o_proj), _add_norm(x.post_attention_layernorm),
                       _siblings(x.mlp.gate_proj, x.mlp.up_proj), act_mul(x.mlp), _linear(x.mlp.down_proj),
-                      (_norm(x.self_attn.q_norm), _norm(x.self_attn.k_norm))
+                      _add_norm(nxt), (_norm(x.self_attn.q_norm), _norm(x.self_attn.k_norm))
                       if hasattr(x.self_attn, "q_norm") else None)
-                     for x in self.layers]
-        self.final_norm, self.lm_head = _norm(self.body.norm), _linear(model.lm_head)
+                     for x, nxt in zip(self.layers, after)]
+        self.first_norm, self.lm_head = _norm(self.layers[0].input_layernorm), _linear(model.lm_head)
 
     def __call__(self, input_ids: torch.Tensor, rc, position_ids: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
         body = self.body
         x = body.embed_tokens(input_ids)  # (1, N, hidden)
         cos, sin = body.rotary_emb(x, position_ids)
         n = x.shape[1]
-        for i, (layer, (norm1, qkv, o_proj, norm2, gate_up, act, down, qk_norm)) in enumerate(zip(self.layers,
-                                                                                                  self.plan)):
+        h = self.first_norm(x)
+        for i, (layer, (qkv, o_proj, add_norm2, gate_up, act, down, add_norm_next, qk_norm)) in enumerate(
+                zip(self.layers, self.plan)):
             a = layer.self_attn
-            h = norm1(x)
             shape = (1, n, -1, a.head_dim)
             q, k, v = (y.view(shape) for y in qkv(h))
             if qk_norm is not None:  # qwen3: RMSNorm over each head's dims, before the rotary embedding
@@ -138,10 +155,10 @@ class DirectStep:
             k, v = cache.update(k, v)
             take_over(k)  # update handed its layer to the attention function, which this step does not call
             o = cache.attend(q, k, v, None, a.scaling)[0]  # (1, N, Hq, head_dim); a RowsCache needs no mask
-            x = x + o_proj(o.reshape(1, n, -1).contiguous())
-            g, u = gate_up(norm2(x))
-            x = x + down(act(g, u))
-        return self.lm_head(self.final_norm(x)[:, last])
+            x, h = add_norm2(x, o_proj(o.reshape(1, n, -1).contiguous()))
+            g, u = gate_up(h)
+            x, h = add_norm_next(x, down(act(g, u)))  # h: the next layer's input, after the last: the final norm's
+        return self.lm_head(h[:, last])
 
 
 def rows_logits(model: nn.Module, step: DirectStep | None, caches: list, seqs: list[list[int]]) -> torch.Tensor:

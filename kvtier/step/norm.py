@@ -75,6 +75,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return mod.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A residual add and the next norm: ``(s, rms_norm(s))`` with ``s = x + y``, ``x``, ``y`` (..., D). One kernel pass
+    per row where it takes the inputs (as :func:`rms_norm`, and ``y`` of ``x``'s shape and dtype): the sum rounded as
+    torch's add rounds it, then the row normed as :func:`rms_norm` norms it, so the same tensors as the two calls."""
+    mod = _module()
+    if (mod is None or x.device.type != "cpu" or not x.dtype == y.dtype == weight.dtype or x.shape != y.shape
+            or x.dtype not in (torch.float32, torch.bfloat16)
+            or (torch.is_grad_enabled() and (x.requires_grad or y.requires_grad or weight.requires_grad))):
+        s = x + y
+        return s, rms_norm(s, weight, eps)
+    s, h = mod.add_rms_norm(x, y, weight, eps)
+    return s, h
+
+
 class FusedRMSNorm(nn.Module):
     """Holds the replaced module's weight (the same parameter) and epsilon; ``forward`` is :func:`rms_norm`."""
 

@@ -73,6 +73,31 @@ def test_a_row_does_not_depend_on_the_batch_and_shapes_pass_through():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_residual_add_and_its_norm_in_one_pass_are_the_two_calls_bit_for_bit(dtype):
+    """add_rms_norm(x, y) is (x + y, rms_norm(x + y)) exactly: torch's rounding of the sum, the kernel's norm of the
+    rounded row; any row count (the thread split), 3-D packed-step shapes, a non-contiguous y; inputs it does not
+    take (mixed dtypes, a gradient wanted) get the two calls."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(896, generator=g).to(dtype)
+    for rows in (1, 15, 33, 300):
+        x = (torch.randn(1, rows, 896, generator=g) * 4).to(dtype)
+        y = (torch.randn(1, rows, 896, generator=g) * 4).to(dtype)
+        s, h = norm_mod.add_rms_norm(x, y, w, 1e-6)
+        assert torch.equal(s, x + y) and torch.equal(h, norm_mod.rms_norm(x + y, w, 1e-6))
+    wide = torch.randn(1, 7, 2 * 896, generator=g).to(dtype)
+    x = torch.randn(1, 7, 896, generator=g).to(dtype)
+    s, h = norm_mod.add_rms_norm(x, wide[..., 896:], w, 1e-6)
+    assert torch.equal(s, x + wide[..., 896:]) and torch.equal(h, norm_mod.rms_norm(s, w, 1e-6))
+    s, h = norm_mod.add_rms_norm(x.float(), x.to(torch.bfloat16), w, 1e-6)  # promotes, as the add does
+    assert s.dtype == torch.float32 and torch.equal(s, x.float() + x.to(torch.bfloat16))
+    xp = nn.Parameter(x.float())
+    s, h = norm_mod.add_rms_norm(xp, x.float(), w.float(), 1e-6)
+    h.float().sum().backward()
+    assert xp.grad is not None
+
+
+@needs_kernel
 def test_inputs_the_kernel_does_not_take_get_the_reference():
     """Mixed dtypes (a float32 weight on bf16 rows promotes, as the module does), float64, and inputs that want a
     gradient take the reference path, with the module's result and dtype."""

@@ -1,7 +1,7 @@
-// The decode step's small CPU ops around the projections, fused: RMSNorm (one pass per row, rows in parallel), the
-// rotary embedding of q and k (one pass each, bf16) and a gated MLP's SiLU x product (one pass, bf16). The reference
-// each op is tested against is the model's own module or function (tests/step/test_norm.py,
-// tests/step/test_rotary.py, tests/step/test_mlp.py).
+// The decode step's small CPU ops around the projections, fused: RMSNorm (one pass per row, rows in parallel; also
+// with the residual add before it), the rotary embedding of q and k (one pass each, bf16) and a gated MLP's SiLU x
+// product (one pass, bf16). The reference each op is tested against is the model's own module or function
+// (tests/step/test_norm.py, tests/step/test_rotary.py, tests/step/test_mlp.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -65,6 +65,40 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor w, double eps) {
   else
     rows(xc.data_ptr<float>(), w.data_ptr<float>(), y.data_ptr<float>());
   return y;
+}
+
+// A residual add and the next RMSNorm in one pass per row: s = x + y rounded to the dtype as torch's add rounds it
+// (float32 sum, round to nearest even), then h = norm_row(s) on the rounded row: exactly rms_norm(x + y). x and y
+// (..., D) of one shape and dtype; returns (s, h), both contiguous.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch::Tensor w, double eps) {
+  TORCH_CHECK(x.device().is_cpu() && y.device().is_cpu() && w.device().is_cpu(), "add_rms_norm: CPU tensors");
+  TORCH_CHECK(x.scalar_type() == w.scalar_type() && y.scalar_type() == x.scalar_type() &&
+                  (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "add_rms_norm: x, y and weight of one dtype, float32 or bfloat16");
+  TORCH_CHECK(x.dim() >= 1 && x.sizes() == y.sizes() && w.dim() == 1 && w.size(0) == x.size(-1) && w.is_contiguous(),
+              "add_rms_norm: x and y (..., D) of one shape, weight (D,) contiguous");
+  auto xc = x.contiguous(), yc = y.contiguous();
+  auto s = torch::empty_like(xc), h = torch::empty_like(xc);
+  const int64_t D = x.size(-1), R = D ? xc.numel() / D : 0;
+  const float e = static_cast<float>(eps);
+  auto rows = [&](const auto* xp, const auto* yp, const auto* wp, auto* sp, auto* hp) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(xp)>>;
+    at::parallel_for(0, R, 16, [&](int64_t b, int64_t end) {  // grain: as rms_norm's
+      for (int64_t r = b; r < end; ++r) {
+        const T* xr = xp + r * D;
+        const T* yr = yp + r * D;
+        T* sr = sp + r * D;
+        for (int64_t j = 0; j < D; ++j) sr[j] = static_cast<T>(to_f(xr[j]) + to_f(yr[j]));
+        norm_row(sr, wp, hp + r * D, D, e);
+      }
+    });
+  };
+  if (x.scalar_type() == at::kBFloat16)
+    rows(xc.data_ptr<c10::BFloat16>(), yc.data_ptr<c10::BFloat16>(), w.data_ptr<c10::BFloat16>(),
+         s.data_ptr<c10::BFloat16>(), h.data_ptr<c10::BFloat16>());
+  else
+    rows(xc.data_ptr<float>(), yc.data_ptr<float>(), w.data_ptr<float>(), s.data_ptr<float>(), h.data_ptr<float>());
+  return {s, h};
 }
 
 // transformers' apply_rotary_pos_emb on one bf16 tensor x (1, H, N, D), last dim contiguous (its other strides any:
@@ -170,6 +204,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("k"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim, transformers' Llama/Qwen rounding (CPU)", py::arg("x"),
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("add_rms_norm", &add_rms_norm, "x + y and RMSNorm of the sum in one pass, torch's rounding of each (CPU)",
+        py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "a gated MLP's silu(gate) * up in bf16, torch's two ops' rounding (CPU)",
         py::arg("gate"), py::arg("up"), py::arg("table"), py::call_guard<py::gil_scoped_release>());
 }
