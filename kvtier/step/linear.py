@@ -10,6 +10,16 @@ the same oneDNN kernel and agree bit for bit, but stock runs its own GEMV at one
 down-projections one bf16 unit the other way) and oneDNN blocks some prefill row counts differently: there they
 agree to rounding (bounded in tests/step/test_linear.py).
 
+On CPUs with AMX, bf16 weights whose sizes are multiples of 32 are packed into kvtier's own AMX tiles instead
+(:class:`AmxWeight`, ``csrc/step_cpu.cpp``): one sequential stream of 16 x 32 tiles that ``amx_linear`` multiplies
+with TDPBF16PS, summing each output in K order, one 32-wide slice after another — the order oneDNN's AMX kernel
+sums in at decode row counts, so at 1-32 rows the products are oneDNN's bit for bit (and a row's result never
+depends on the rows beside it, at any count). It streams the weights at the memory's pace without oneDNN's per-call
+argument handling: the 0.5B model's whole direct step 56.4 -> 45.2 ms at one row, 60.1 -> 51.6 at 8, 79.9 -> 67.5
+at 32 (2-core AMX Xeon, alternating in one process); a 738-token packed prefill 495 -> 529 ms (its gate/up product
+runs slower than oneDNN's from ~128 rows; ``benchmarks/results/amx_linear_2026-12-06_xeon_amx/``).
+``KVTIER_LINEAR_KERNEL=onednn`` keeps oneDNN's layout everywhere.
+
 Pack on the thread that will multiply: weights reordered on one thread and multiplied on another ran ~1.5x slower
 (measured, not root-caused), which is why ``kvtier serve``'s engine packs on its own thread.
 
@@ -70,8 +80,50 @@ def packs_by_default(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype == torch.bfloat16 and cpu_bf16_native() and packable(dtype)
 
 
-def _pack(w: torch.Tensor) -> torch.Tensor:
-    """``w`` (out, in) reordered into oneDNN's blocked layout for ``mkldnn._linear_pointwise``."""
+class AmxWeight:
+    """A bf16 weight (out, in) packed into AMX tiles by ``csrc/step_cpu.cpp``'s ``amx_pack`` (``tiles``: (out * in,)),
+    multiplied by its ``amx_linear`` (``run``)."""
+
+    __slots__ = ("tiles", "out_features", "in_features", "run")
+
+    def __init__(self, tiles: torch.Tensor, out_features: int, in_features: int, run) -> None:
+        self.tiles, self.out_features, self.in_features, self.run = tiles, out_features, in_features, run
+
+    def size(self, dim: int) -> int:  # as the oneDNN packed tensor answers it: (out, in)
+        return (self.out_features, self.in_features)[dim]
+
+
+LINEAR_KERNELS = ("auto", "onednn")
+
+
+def _amx_module():
+    """The step extension when its AMX projections run here and ``$KVTIER_LINEAR_KERNEL`` (``auto``, ``onednn``)
+    does not turn them off, else None."""
+    kernel = os.environ.get("KVTIER_LINEAR_KERNEL", "").strip().lower() or "auto"
+    if kernel not in LINEAR_KERNELS:
+        raise ValueError(f"KVTIER_LINEAR_KERNEL must be one of {list(LINEAR_KERNELS)}, got {kernel!r}")
+    if kernel == "onednn":
+        return None
+    from .norm import _module  # the one build of csrc/step_cpu.cpp
+
+    mod = _module()
+    return mod if mod is not None and mod.amx_linear_available() else None
+
+
+def amx_packs(w: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`_pack` gives ``w`` (out, in) kvtier's AMX tiles: bf16 (and its bias, if any) on a CPU whose
+    AMX the kernel uses, both sizes multiples of 32."""
+    return (w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2 and w.shape[0] % 32 == 0
+            and w.shape[1] % 32 == 0 and (bias is None or bias.dtype == torch.bfloat16)
+            and _amx_module() is not None)
+
+
+def _pack(w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | AmxWeight:
+    """``w`` (out, in) packed once for :func:`_run_packed` (with ``bias``): kvtier's AMX tiles where
+    :func:`amx_packs`, else oneDNN's blocked layout for ``mkldnn._linear_pointwise``."""
+    if amx_packs(w, bias):
+        mod = _amx_module()
+        return AmxWeight(mod.amx_pack(w.detach()), w.shape[0], w.shape[1], mod.amx_linear)
     # The row-count hint only tunes the layout oneDNN picks; any row count runs on the result. 32, not 1: as fast
     # at 1-8 rows and faster at 32 (2-core AMX Xeon), and bit-equal to stock F.linear at more row counts (with 1:
     # only up to 32 rows; with 32: every count tried from 1 to 512 but 512 rows of an 896x896 weight).
@@ -93,10 +145,19 @@ CHUNK_MAX_ROWS = 1280
 CHUNK_MAX_OUT = 4096
 
 
-def _run_packed(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x (..., in) -> (..., out) through the packed weight (out, in): one oneDNN call, or for CHUNK_MIN_ROWS to
-    CHUNK_MAX_ROWS rows and a weight of at most CHUNK_MAX_OUT outputs, one per piece of at most CHUNK_ROWS rows
-    (pieces as equal as may be)."""
+_NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
+
+
+def _kind(packed) -> str:
+    return "AMX tiles" if type(packed) is AmxWeight else "oneDNN"
+
+
+def _run_packed(x: torch.Tensor, packed: torch.Tensor | AmxWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., in) -> (..., out) through the packed weight (out, in): AMX tiles, one kernel call; oneDNN's layout,
+    one oneDNN call, or for CHUNK_MIN_ROWS to CHUNK_MAX_ROWS rows and a weight of at most CHUNK_MAX_OUT outputs,
+    one per piece of at most CHUNK_ROWS rows (pieces as equal as may be)."""
+    if type(packed) is AmxWeight:
+        return packed.run(x, packed.tiles, packed.out_features, _NO_BIAS if bias is None else bias)
     x = x.contiguous()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not CHUNK_MIN_ROWS <= rows <= CHUNK_MAX_ROWS or packed.size(0) > CHUNK_MAX_OUT:
@@ -124,8 +185,8 @@ class PackedLinear(nn.Module):
             raise ValueError(f"PackedLinear needs a CPU bf16/fp32 weight oneDNN supports, got {w.dtype} on {w.device}")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype = w.dtype
-        self.packed = _pack(w)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.packed = _pack(w, self.bias)
         if keep_weight:
             self.weight = linear.weight
 
@@ -140,7 +201,7 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"dtype={self.dtype}, packed=oneDNN")
+                f"dtype={self.dtype}, packed={_kind(self.packed)}")
 
 
 # Sibling projections that models call on one input, one after the other (Llama-style attention and MLP names).
@@ -163,8 +224,8 @@ class _Fused:
 
     def __init__(self, linears: list[nn.Linear]) -> None:
         w = torch.cat([lin.weight.detach() for lin in linears])
-        self.packed = _pack(w)
         self.bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
+        self.packed = _pack(w, self.bias)
         self.bounds, start = [], 0
         for lin in linears:
             self.bounds.append((start, start + lin.out_features))
@@ -212,7 +273,7 @@ class FusedLinear(nn.Module):
     def extra_repr(self) -> str:
         a, b = self.fused.bounds[self.index]
         return (f"in_features={self.in_features}, out_features={self.out_features}, rows {a}:{b} of a stacked "
-                f"weight, bias={self.fused.bias is not None}, dtype={self.dtype}, packed=oneDNN")
+                f"weight, bias={self.fused.bias is not None}, dtype={self.dtype}, packed={_kind(self.fused.packed)}")
 
 
 def _fusable(parent: nn.Module, names: tuple[str, ...], packs) -> list[nn.Linear] | None:

@@ -12,6 +12,7 @@ from torch import nn
 import kvtier
 from kvtier.models import random_model
 from kvtier.step import PackedLinear, linear_mode, linear_reference, pack_linears, packed_count, step_weight_bytes
+from kvtier.step import linear as lin_mod
 from kvtier.step.linear import packable
 
 needs_onednn = pytest.mark.skipif(not packable(torch.float32), reason="this torch build has no oneDNN")
@@ -343,3 +344,71 @@ def test_fusing_changes_no_decode_float(preset):
     seq_p, log_p, _ = generate(plain, "full", ids, new_tokens=64)
     assert torch.equal(seq_f, seq_p)
     assert torch.equal(log_f, log_p)
+
+
+needs_amx = pytest.mark.skipif(lin_mod._amx_module() is None,
+                               reason="no AMX projections here (the CPU or the build lacks AMX-BF16)")
+
+
+def _bf16_linear(out_f: int, in_f: int, bias: bool, seed: int) -> nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(in_f, out_f, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(out_f, in_f, generator=g) * in_f**-0.5)
+        if bias:
+            lin.bias.copy_(torch.randn(out_f, generator=g))
+    return lin
+
+
+@needs_amx
+@pytest.mark.parametrize("out_f,in_f,bias", [(1152, 896, True), (896, 4864, False), (9728, 896, False),
+                                             (96, 64, True)])
+def test_amx_tiles_give_onednns_floats_at_decode_rows_and_its_accuracy_beyond(out_f, in_f, bias, monkeypatch):
+    """The AMX kernel sums each output in K order, one 32-wide slice after another, as oneDNN's AMX kernel does at
+    decode row counts: bit for bit the oneDNN-packed product at 1-32 rows (the 0.5B model's shapes and a tiny
+    one). At prefill row counts oneDNN blocks the sums otherwise; there the kernel meets the float64 bound of
+    test_packed_linear_is_as_accurate_as_stock."""
+    lin = _bf16_linear(out_f, in_f, bias, seed=out_f + in_f)
+    amx = PackedLinear(lin)
+    monkeypatch.setenv("KVTIER_LINEAR_KERNEL", "onednn")
+    onednn = PackedLinear(lin)
+    assert type(amx.packed) is lin_mod.AmxWeight and type(onednn.packed) is torch.Tensor
+    assert "AMX tiles" in repr(amx) and "oneDNN" in repr(onednn)
+    g = torch.Generator().manual_seed(1)
+    for rows in (1, 2, 7, 16, 17, 31, 32):
+        x = torch.randn(1, rows, in_f, generator=g).to(torch.bfloat16)
+        assert torch.equal(amx(x), onednn(x)), f"{rows} rows"
+    w, b = lin.weight.detach().double(), 0 if lin.bias is None else lin.bias.detach().double()
+    for rows in (33, 100, 449, 738):
+        x = torch.randn(rows, in_f, generator=g).to(torch.bfloat16)
+        exact = x.double() @ w.T + b
+        scale = (x.double().abs() @ w.abs().T).max().item()
+        bound = in_f**0.5 * torch.finfo(torch.float32).eps * scale + torch.finfo(torch.bfloat16).eps * exact.abs().max().item()
+        assert _err(amx(x), exact) <= bound, f"{rows} rows"
+
+
+@needs_amx
+def test_an_amx_row_does_not_depend_on_the_rows_beside_it():
+    """Each row's sums are the same tile products in the same order whatever the row count (a 16-row chunk, a
+    zero-padded last chunk, a 32-row pair): a row multiplied alone is bit for bit that row of any batch."""
+    lin = _bf16_linear(128, 96, True, seed=9)
+    packed = PackedLinear(lin)
+    x = torch.randn(70, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    alone = torch.cat([packed(x[i : i + 1]) for i in range(70)])
+    for rows in (1, 15, 16, 17, 32, 33, 47, 70):
+        assert torch.equal(packed(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def test_the_linear_kernel_is_chosen_where_it_runs(monkeypatch):
+    """AMX tiles only for bf16 weights (and biases) with both sizes multiples of 32, on a CPU whose AMX the kernel
+    uses; ``KVTIER_LINEAR_KERNEL=onednn`` keeps oneDNN's layout; another value is refused by name."""
+    amx = lin_mod._amx_module() is not None
+    assert lin_mod.amx_packs(torch.zeros(64, 32, dtype=torch.bfloat16)) == amx
+    assert not lin_mod.amx_packs(torch.zeros(64, 32))
+    assert not lin_mod.amx_packs(torch.zeros(48, 32, dtype=torch.bfloat16))
+    assert not lin_mod.amx_packs(torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(64))
+    monkeypatch.setenv("KVTIER_LINEAR_KERNEL", "onednn")
+    assert not lin_mod.amx_packs(torch.zeros(64, 32, dtype=torch.bfloat16))
+    monkeypatch.setenv("KVTIER_LINEAR_KERNEL", "fast")
+    with pytest.raises(ValueError, match=r"KVTIER_LINEAR_KERNEL must be one of \['auto', 'onednn'\], got 'fast'"):
+        lin_mod.amx_packs(torch.zeros(64, 32, dtype=torch.bfloat16))

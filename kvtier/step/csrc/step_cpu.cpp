@@ -1,14 +1,23 @@
-// The decode step's small CPU ops around the projections, fused: RMSNorm (one pass per row, rows in parallel; also
-// with the residual add before it), the rotary embedding of q and k (one pass each, bf16) and a gated MLP's SiLU x
-// product (one pass, bf16). The reference each op is tested against is the model's own module or function
-// (tests/step/test_norm.py, tests/step/test_rotary.py, tests/step/test_mlp.py).
+// The decode step's CPU ops outside the attention: RMSNorm (one pass per row, rows in parallel; also with the
+// residual add before it), the rotary embedding of q and k (one pass each, bf16), a gated MLP's SiLU x product (one
+// pass, bf16), and on CPUs with AMX the bf16 projections themselves (weights packed once into AMX tiles). The
+// reference each op is tested against is the model's own module or function, and for the projections a float64
+// product (tests/step/test_norm.py, test_rotary.py, test_mlp.py, test_linear.py).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <cmath>
 #include <cstdint>
+#include <algorithm>
+#include <cstring>
+#include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
+#define KVTIER_AMX_LINEAR 1
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -199,6 +208,182 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u, torch::Tensor table) {
   return out;
 }
 
+#ifdef KVTIER_AMX_LINEAR
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Linux grants a process the AMX tile state only on request (arch_prctl); asking again is harmless.
+bool amx_permitted() {
+  static const bool ok = [] {
+    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+
+// tmm0..3: four 16 x 16 float32 sums (two 16-row chunks of x by two 16-column blocks of the weight); tmm4, tmm5:
+// the x chunks' 32-wide K slices; tmm6, tmm7: the two weight tiles of a K slice.
+void amx_configure() {
+  TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// 16 float32 sums plus the bias, rounded to bf16 as c10::BFloat16(float) rounds (to nearest even; NaN stays NaN)
+inline void store_bf16x16(const float* c, const float* bias, uint16_t* out) {
+  __m512 v = _mm512_loadu_ps(c);
+  if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_ORD_Q), _mm512_set1_epi32(0x7fc0), r);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(r));
+}
+
+}  // namespace
+#endif
+
+bool amx_linear_available() {
+#ifdef KVTIER_AMX_LINEAR
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
+// w (N, K) bf16, N and K multiples of 32 -> (N * K,) bf16 in AMX tile order: for each block of 32 output columns,
+// for each 32-wide slice of K, two 16 x 32 tiles (the block's columns 0-15, then 16-31) in the pair-interleaved
+// layout TDPBF16PS reads: tile row p, element 2n + e = w[n, 32 kb + 2 p + e]. The whole weight is then one
+// sequential stream in the order amx_linear reads it.
+torch::Tensor amx_pack(torch::Tensor w) {
+  TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kBFloat16 && w.dim() == 2 && w.size(0) % 32 == 0 &&
+                  w.size(1) % 32 == 0,
+              "amx_pack: weight (N, K) bfloat16 on the CPU, N and K multiples of 32");
+  const int64_t N = w.size(0), K = w.size(1), KB = K / 32;
+  auto wc = w.contiguous();
+  auto out = torch::empty({N * K}, w.options());
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(wc.data_ptr<c10::BFloat16>());
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  at::parallel_for(0, N / 32, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t nb = b0; nb < b1; ++nb)
+      for (int64_t kb = 0; kb < KB; ++kb)
+        for (int half = 0; half < 2; ++half) {
+          uint16_t* t = dst + ((nb * KB + kb) * 2 + half) * 512;
+          for (int p = 0; p < 16; ++p)
+            for (int n = 0; n < 16; ++n)
+              for (int e = 0; e < 2; ++e)
+                t[p * 32 + 2 * n + e] = src[(nb * 32 + half * 16 + n) * K + kb * 32 + 2 * p + e];
+        }
+  });
+  return out;
+}
+
+// x (..., K) bf16 times the weight packed by amx_pack (N outputs), plus bias (N,) bf16 or an empty tensor: (..., N)
+// bf16. Float32 sums of the TDPBF16PS products in K order, one 32-wide slice after another, then the bias added in
+// float32 and the sum rounded once to bf16 (nearest even). Threads split the output columns (blocks of 32); a
+// thread takes its columns in panels whose weights (~512 KiB) stay in L2 while every 32-row chunk of x passes over
+// them, so the weight is read from memory once at any row count. Rows past a multiple of 16 are computed on a
+// zero-padded copy of the last chunk.
+torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
+#ifdef KVTIER_AMX_LINEAR
+  TORCH_CHECK(amx_permitted(), "amx_linear: this process may not use AMX tiles");
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) % 32 == 0 &&
+                  N % 32 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
+                  packed.numel() == N * x.size(-1),
+              "amx_linear: x (..., K) bfloat16 on the CPU and a weight packed by amx_pack for (N, K), N and K "
+              "multiples of 32");
+  TORCH_CHECK(!bias.defined() || bias.numel() == 0 ||
+                  (bias.scalar_type() == at::kBFloat16 && bias.numel() == N && bias.is_contiguous()),
+              "amx_linear: bias (N,) bfloat16 contiguous, or empty");
+  const int64_t K = x.size(-1), KB = K / 32, M = x.numel() / K;
+  auto sizes = x.sizes().vec();
+  sizes.back() = N;
+  auto out = torch::empty(sizes, x.options());
+  if (M == 0) return out;
+  auto xc = x.contiguous();
+  const uint16_t* a = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<c10::BFloat16>());
+  uint16_t* op = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
+  std::vector<float> biasf;
+  if (bias.defined() && bias.numel()) {
+    const uint16_t* bp = reinterpret_cast<const uint16_t*>(bias.data_ptr<c10::BFloat16>());
+    biasf.resize(N);
+    for (int64_t n = 0; n < N; ++n) {
+      const uint32_t bits = uint32_t(bp[n]) << 16;
+      std::memcpy(&biasf[n], &bits, 4);
+    }
+  }
+  const float* bf = biasf.empty() ? nullptr : biasf.data();
+  // the last chunk of 16 rows, zero-padded where M is not a multiple of 16 (a tile reads 16 rows)
+  const int64_t M16 = (M + 15) / 16 * 16, full = M / 16 * 16;
+  std::vector<uint16_t> tail;
+  if (M16 != M) {
+    tail.assign(16 * K, 0);
+    std::memcpy(tail.data(), a + full * K, (M - full) * K * 2);
+  }
+  auto rows = [&](int64_t m) { return m < full ? a + m * K : tail.data() + (m - full) * K; };
+  const int64_t panel = std::max<int64_t>(1, (512 * 1024) / (KB * 2048));
+  at::parallel_for(0, N / 32, 1, [&](int64_t nb0, int64_t nb1) {
+    amx_configure();
+    alignas(64) float c[4][256];
+    for (int64_t p0 = nb0; p0 < nb1; p0 += panel) {
+      const int64_t p1 = std::min(nb1, p0 + panel);
+      for (int64_t m0 = 0; m0 < M16; m0 += 32) {
+        const bool two = m0 + 16 < M16;
+        const uint16_t* a0 = rows(m0);
+        const uint16_t* a1 = two ? rows(m0 + 16) : a0;
+        for (int64_t nb = p0; nb < p1; ++nb) {
+          const uint16_t* wb = wp + nb * KB * 1024;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t kb = 0; kb < KB; ++kb) {
+            const uint16_t* t = wb + kb * 1024;
+            _tile_loadd(4, a0 + kb * 32, K * 2);
+            _tile_loadd(6, t, 64);
+            _tile_loadd(7, t + 512, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+              _tile_loadd(5, a1 + kb * 32, K * 2);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          _tile_stored(0, c[0], 64);
+          _tile_stored(1, c[1], 64);
+          if (two) {
+            _tile_stored(2, c[2], 64);
+            _tile_stored(3, c[3], 64);
+          }
+          for (int blk = 0; blk < (two ? 4 : 2); ++blk) {
+            const int64_t mb = m0 + (blk >> 1) * 16, n0 = nb * 32 + (blk & 1) * 16;
+            for (int64_t r = 0; r < 16 && mb + r < M; ++r)
+              store_bf16x16(c[blk] + r * 16, bf ? bf + n0 : nullptr, op + (mb + r) * N + n0);
+          }
+        }
+      }
+    }
+    _tile_release();  // leave the tiles as found: unconfigured
+  });
+  return out;
+#else
+  TORCH_CHECK(false, "amx_linear: this build has no AMX (the CPU or the compiler lacks AMX-BF16)");
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary", &rotary, "transformers' apply_rotary_pos_emb on bf16 q and k, its rounding (CPU)", py::arg("q"),
         py::arg("k"), py::arg("cos"), py::arg("sin"), py::call_guard<py::gil_scoped_release>());
@@ -206,6 +391,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
   m.def("add_rms_norm", &add_rms_norm, "x + y and RMSNorm of the sum in one pass, torch's rounding of each (CPU)",
         py::arg("x"), py::arg("y"), py::arg("weight"), py::arg("eps"), py::call_guard<py::gil_scoped_release>());
+  m.def("amx_linear_available", &amx_linear_available, "whether amx_linear runs here (AMX build and permission)");
+  m.def("amx_pack", &amx_pack, "a bf16 weight (N, K) in AMX tile order for amx_linear (CPU)", py::arg("weight"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("amx_linear", &amx_linear, "x (..., K) times an amx_pack'ed bf16 weight, plus bias (AMX, CPU)", py::arg("x"),
+        py::arg("packed"), py::arg("n"), py::arg("bias"), py::call_guard<py::gil_scoped_release>());
   m.def("silu_mul", &silu_mul, "a gated MLP's silu(gate) * up in bf16, torch's two ops' rounding (CPU)",
         py::arg("gate"), py::arg("up"), py::arg("table"), py::call_guard<py::gil_scoped_release>());
 }
