@@ -96,6 +96,7 @@ def serve(
                                  max_body_bytes=max_body_bytes, max_stream_buffer=max_stream_buffer)
         from ..config import parse_bytes
         from ..step import fused_mlp_count, fused_norm_count, linear_mode, packed_count
+        from ..step.linear import amx_count
 
         ecfg = EngineConfig(max_batch=max_batch, max_queue=max_queue, batch_wait_s=batch_wait, scheduler=scheduler,
                             device_kv_budget=None if device_kv_budget is None
@@ -111,7 +112,9 @@ def serve(
         def ready(server):
             eng = server.config.app.state.server.engine
             packed, norms, mlps = packed_count(m), fused_norm_count(m), fused_mlp_count(m)
+            amx = amx_count(m)
             step = f" · {m.dtype}, {packed} linears prepacked" if packed else f" · {m.dtype}, stock linears"
+            step += f" ({amx} on AMX tiles)" if amx else ""
             step += f", {norms} norms fused" if norms else ", stock norms"
             step += f", {mlps} MLPs fused" if mlps else ""
             console.print(f"kvtier serve: {settings.served_name} on http://{host}:{port}/v1 · policy {policy}"

@@ -346,6 +346,12 @@ def packed_count(model: nn.Module) -> int:
     return sum(isinstance(m, (PackedLinear, FusedLinear)) for m in model.modules())
 
 
+def amx_count(model: nn.Module) -> int:
+    """Of those, the linears running on kvtier's AMX tiles."""
+    return sum(type(m.packed if isinstance(m, PackedLinear) else m.fused.packed) is AmxWeight
+               for m in model.modules() if isinstance(m, (PackedLinear, FusedLinear)))
+
+
 def expert_weights(model: nn.Module) -> tuple[int, int, int]:
     """A mixture of experts' routed weights: ``(bytes, experts, experts per token)`` — the parameters under a module
     named ``experts`` whose first dimension is the expert count (gpt-oss's stacked expert matrices and biases, or

@@ -407,6 +407,9 @@ def test_the_linear_kernel_is_chosen_where_it_runs(monkeypatch):
     assert not lin_mod.amx_packs(torch.zeros(64, 32))
     assert not lin_mod.amx_packs(torch.zeros(48, 32, dtype=torch.bfloat16))
     assert not lin_mod.amx_packs(torch.zeros(64, 32, dtype=torch.bfloat16), torch.zeros(64))
+    m16 = random_model("tiny-qwen2", dtype=torch.bfloat16)
+    n = pack_linears(m16, "packed")
+    assert lin_mod.amx_count(m16) == (n if amx else 0) and packed_count(m16) == n  # tiny-qwen2: sizes of 32s
     monkeypatch.setenv("KVTIER_LINEAR_KERNEL", "onednn")
     assert not lin_mod.amx_packs(torch.zeros(64, 32, dtype=torch.bfloat16))
     monkeypatch.setenv("KVTIER_LINEAR_KERNEL", "fast")
