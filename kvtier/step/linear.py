@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kernel import module as step_kernels
 from .cpu import cpu_bf16_native
 
 log = logging.getLogger(__name__)
@@ -99,14 +100,12 @@ LINEAR_KERNELS = ("auto", "onednn")
 def _amx_module():
     """The step extension when its AMX projections run here and ``$KVTIER_LINEAR_KERNEL`` (``auto``, ``onednn``)
     does not turn them off, else None."""
-    kernel = os.environ.get("KVTIER_LINEAR_KERNEL", "").strip().lower() or "auto"
-    if kernel not in LINEAR_KERNELS:
-        raise ValueError(f"KVTIER_LINEAR_KERNEL must be one of {list(LINEAR_KERNELS)}, got {kernel!r}")
-    if kernel == "onednn":
+    choice = os.environ.get("KVTIER_LINEAR_KERNEL", "").strip().lower() or "auto"
+    if choice not in LINEAR_KERNELS:
+        raise ValueError(f"KVTIER_LINEAR_KERNEL must be one of {list(LINEAR_KERNELS)}, got {choice!r}")
+    if choice == "onednn":
         return None
-    from .norm import _module  # the one build of csrc/step_cpu.cpp
-
-    mod = _module()
+    mod = step_kernels()
     return mod if mod is not None and mod.amx_linear_available() else None
 
 

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .linear import linear_mode
-from .norm import _module  # the one build of csrc/step_cpu.cpp
+from .kernel import module as _module  # the one build of csrc/step_cpu.cpp
 
 log = logging.getLogger(__name__)
 

@@ -25,37 +25,19 @@ from __future__ import annotations
 import inspect
 import logging
 from functools import lru_cache
-from pathlib import Path
 
 import torch
 from torch import nn
 
+from .kernel import module as _module  # the one build of csrc/step_cpu.cpp
 from .linear import linear_mode
 
 log = logging.getLogger(__name__)
-
-_SRC = Path(__file__).parent / "csrc" / "step_cpu.cpp"
 
 # transformers' Llama RMSNorm forward (5.4-5.24), whitespace removed: the math the kernel implements
 LLAMA_FORM = ("input_dtype=hidden_states.dtypehidden_states=hidden_states.to(torch.float32)variance=hidden_states.pow(2)"
               ".mean(-1,keepdim=True)hidden_states=hidden_states*torch.rsqrt(variance+self.variance_epsilon)return"
               "self.weight*hidden_states.to(input_dtype)")
-
-
-@lru_cache(maxsize=1)
-def _module():
-    """The built ``step_cpu`` extension, or None where it cannot be built (``KVTIER_KERNEL=eager``, no compiler)."""
-    from ..attention import fused_cpu  # the one build recipe (and its switch); imported here: it imports step.cpu
-
-    if not fused_cpu.available():
-        return None
-    try:
-        name = fused_cpu.build_name(_SRC, "kvtier_step_cpu")
-        return fused_cpu.build(name, _SRC, fused_cpu.build_dir(name))
-    except Exception as exc:  # noqa: BLE001 - the eager norms still work
-        log.warning("kvtier: the fused CPU norm could not be built (%s); keeping the model's own norms",
-                    type(exc).__name__)
-        return None
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .norm import _module  # the one build of csrc/step_cpu.cpp
+from .kernel import module as _module  # the one build of csrc/step_cpu.cpp
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 
