@@ -23,7 +23,6 @@ kernel for those. The mode is the step's (:func:`kvtier.step.linear.linear_mode`
 
 from __future__ import annotations
 
-import inspect
 import logging
 from functools import lru_cache
 from typing import Callable
@@ -32,8 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .linear import linear_mode
+from .forms import forward_is, replace
 from .kernel import module as _module  # the one build of csrc/step_cpu.cpp
+from .linear import linear_mode
 
 log = logging.getLogger(__name__)
 
@@ -124,15 +124,9 @@ def act_mul(mlp: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
     return lambda g, u: act(g) * u
 
 
-@lru_cache(maxsize=None)
 def llama_form(cls: type) -> bool:
     """Whether ``cls.forward`` is transformers' Llama MLP (:data:`MLP_FORM`), read from its source."""
-    try:
-        src = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    head_end = src.find(":\n")  # the end of the def line(s)
-    return head_end > 0 and "".join(src[head_end + 2 :].split()) == MLP_FORM
+    return forward_is(cls, MLP_FORM)
 
 
 def _bf16_cpu(mlp: nn.Module) -> bool:
@@ -155,14 +149,12 @@ def fuse_mlps(model: nn.Module, mode: str | None = None) -> int:
     that wants a gradient takes the reference path."""
     if linear_mode(mode) == "eager":
         return 0
-    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if llama_form(type(child)) and is_silu(getattr(child, "act_fn", None)) and _bf16_cpu(child)]
-    if not targets or _kernel() is None:
+    if _kernel() is None:
         return 0
-    for parent, name in targets:
-        setattr(parent, name, FusedMLP(getattr(parent, name)))
-    log.info("fused %d MLP activations (silu(gate) * up: one kernel call each)", len(targets))
-    return len(targets)
+    n = replace(model, lambda m: llama_form(type(m)) and is_silu(getattr(m, "act_fn", None)) and _bf16_cpu(m), FusedMLP)
+    if n:
+        log.info("fused %d MLP activations (silu(gate) * up: one kernel call each)", n)
+    return n
 
 
 def fused_mlp_count(model: nn.Module) -> int:

@@ -22,13 +22,12 @@ bit); ``auto`` and ``packed`` replace the CPU norms where the kernel builds.
 
 from __future__ import annotations
 
-import inspect
 import logging
-from functools import lru_cache
 
 import torch
 from torch import nn
 
+from .forms import forward_is, replace
 from .kernel import module as _module  # the one build of csrc/step_cpu.cpp
 from .linear import linear_mode
 
@@ -87,15 +86,9 @@ class FusedRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}, fused (was {self.replaced})"
 
 
-@lru_cache(maxsize=None)
 def llama_form(cls: type) -> bool:
     """Whether ``cls.forward`` is transformers' Llama RMSNorm (:data:`LLAMA_FORM`), read from its source."""
-    try:
-        src = inspect.getsource(cls.forward)
-    except (OSError, TypeError):
-        return False
-    head_end = src.find(":\n")  # the end of the def line(s)
-    return head_end > 0 and "".join(src[head_end + 2 :].split()) == LLAMA_FORM
+    return forward_is(cls, LLAMA_FORM)
 
 
 def fuse_norms(model: nn.Module, mode: str | None = None) -> int:
@@ -104,15 +97,13 @@ def fuse_norms(model: nn.Module, mode: str | None = None) -> int:
     gradients (an input that wants one takes the reference path)."""
     if linear_mode(mode) == "eager":
         return 0
-    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if llama_form(type(child)) and isinstance(getattr(child, "weight", None), torch.Tensor)
-               and child.weight.device.type == "cpu"]
-    if not targets or _module() is None:
+    if _module() is None:
         return 0
-    for parent, name in targets:
-        setattr(parent, name, FusedRMSNorm(getattr(parent, name)))
-    log.info("fused %d RMSNorm modules (one kernel call each)", len(targets))
-    return len(targets)
+    n = replace(model, lambda m: llama_form(type(m)) and isinstance(getattr(m, "weight", None), torch.Tensor)
+                and m.weight.device.type == "cpu", FusedRMSNorm)
+    if n:
+        log.info("fused %d RMSNorm modules (one kernel call each)", n)
+    return n
 
 
 def fused_norm_count(model: nn.Module) -> int:
