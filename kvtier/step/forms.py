@@ -25,9 +25,14 @@ def forward_is(cls: type, form: str) -> bool:
     return head_end > 0 and "".join(src[head_end + 2 :].split()) == form
 
 
-def replace(model: nn.Module, pick: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module]) -> int:
-    """Every child module of ``model`` for which ``pick`` holds replaced by ``make(child)``; returns how many."""
+def replace(model: nn.Module, pick: Callable[[nn.Module], bool], make: Callable[[nn.Module], nn.Module],
+            ready: Callable[[], bool]) -> int:
+    """Every child module of ``model`` for which ``pick`` holds replaced by ``make(child)``, if ``ready()`` — asked
+    only when there is one (it may build a kernel: a model with nothing to replace, a CUDA one, never pays for
+    that); returns how many were replaced."""
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if pick(child)]
+    if not targets or not ready():
+        return 0
     for parent, name in targets:
         setattr(parent, name, make(getattr(parent, name)))
     return len(targets)

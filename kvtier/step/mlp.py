@@ -149,9 +149,8 @@ def fuse_mlps(model: nn.Module, mode: str | None = None) -> int:
     that wants a gradient takes the reference path."""
     if linear_mode(mode) == "eager":
         return 0
-    if _kernel() is None:
-        return 0
-    n = replace(model, lambda m: llama_form(type(m)) and is_silu(getattr(m, "act_fn", None)) and _bf16_cpu(m), FusedMLP)
+    n = replace(model, lambda m: llama_form(type(m)) and is_silu(getattr(m, "act_fn", None)) and _bf16_cpu(m), FusedMLP,
+                lambda: _kernel() is not None)
     if n:
         log.info("fused %d MLP activations (silu(gate) * up: one kernel call each)", n)
     return n

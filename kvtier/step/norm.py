@@ -97,10 +97,8 @@ def fuse_norms(model: nn.Module, mode: str | None = None) -> int:
     gradients (an input that wants one takes the reference path)."""
     if linear_mode(mode) == "eager":
         return 0
-    if _module() is None:
-        return 0
     n = replace(model, lambda m: llama_form(type(m)) and isinstance(getattr(m, "weight", None), torch.Tensor)
-                and m.weight.device.type == "cpu", FusedRMSNorm)
+                and m.weight.device.type == "cpu", FusedRMSNorm, lambda: _module() is not None)
     if n:
         log.info("fused %d RMSNorm modules (one kernel call each)", n)
     return n

@@ -166,3 +166,15 @@ def test_load_model_fuses_bf16_mlps_unless_eager():
     assert fused_mlp_count(m) == 0
     m, _ = kvtier.load_model("random:tiny-qwen2", device="cpu", dtype="bf16", linear="packed")
     assert fused_mlp_count(m) == (m.config.num_hidden_layers if mlp_mod._kernel() is not None else 0)
+
+
+def test_a_model_with_nothing_to_fuse_never_asks_for_the_kernel(monkeypatch):
+    """The kernel (a compile on first use) and the SiLU table are asked for only when a module would be replaced:
+    a float32 model's MLPs and a model without Llama-form norms (a CUDA model's, too) never pay for them."""
+    from kvtier.step import fuse_norms
+    from kvtier.step import norm as norm_mod
+
+    monkeypatch.setattr(mlp_mod, "_kernel", lambda: pytest.fail("the MLP kernel was asked for"))
+    monkeypatch.setattr(norm_mod, "_module", lambda: pytest.fail("the norm kernel was asked for"))
+    assert fuse_mlps(random_model("tiny-qwen2", dtype=torch.float32), "packed") == 0
+    assert fuse_norms(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4)), "packed") == 0
