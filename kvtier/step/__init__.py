@@ -22,6 +22,7 @@ def prepare_step(model: nn.Module, mode: str | None = None) -> tuple[int, int, i
     return pack_linears(model, mode), fuse_norms(model, mode), fuse_mlps(model, mode)
 
 
-__all__ = ["LINEAR_MODES", "FusedLinear", "FusedMLP", "FusedRMSNorm", "fuse_mlps", "fused_mlp_count", "silu_mul_reference", "PackedLinear", "linear_mode", "linear_reference", "pack_linears",
-           "packed_count", "packs_by_default", "step_weight_bytes", "expert_weights", "keep_freed_memory", "fuse_norms",
-           "fused_norm_count", "prepare_step", "rms_norm_reference"]
+__all__ = ["LINEAR_MODES", "FusedLinear", "FusedMLP", "FusedRMSNorm", "PackedLinear", "expert_weights", "fuse_mlps",
+           "fuse_norms", "fused_mlp_count", "fused_norm_count", "keep_freed_memory", "linear_mode", "linear_reference",
+           "pack_linears", "packed_count", "packs_by_default", "prepare_step", "rms_norm_reference",
+           "silu_mul_reference", "step_weight_bytes"]

@@ -46,8 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .kernel import module as step_kernels
 from .cpu import cpu_bf16_native
+from .kernel import module as step_kernels
 
 log = logging.getLogger(__name__)
 
@@ -89,9 +89,6 @@ class AmxWeight:
 
     def __init__(self, tiles: torch.Tensor, out_features: int, in_features: int, run) -> None:
         self.tiles, self.out_features, self.in_features, self.run = tiles, out_features, in_features, run
-
-    def size(self, dim: int) -> int:  # as the oneDNN packed tensor answers it: (out, in)
-        return (self.out_features, self.in_features)[dim]
 
 
 LINEAR_KERNELS = ("auto", "onednn")
