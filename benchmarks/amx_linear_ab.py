@@ -21,6 +21,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -31,9 +32,11 @@ import kvtier
 from kvtier.step import linear as lin_mod
 from kvtier.step.direct import direct_step, rows_logits
 
+sys.path.insert(0, str(Path(__file__).parent))
+from prefill_chunks import PROMPTS, timed_prefill  # noqa: E402
+
 SHAPES = {"q/k/v (1152 x 896, bias)": (1152, 896, True), "o (896 x 896)": (896, 896, False),
           "gate/up (9728 x 896)": (9728, 896, False), "down (896 x 4864)": (896, 4864, False)}
-PROMPTS = (105, 98, 112, 101, 95, 120, 107)
 
 
 def _load(kernel: str):
@@ -101,12 +104,8 @@ def in_step(reps: int, rows_list: list[int], decode_steps: int) -> dict:
     times, lgs = {kn: [] for kn in models}, {}
     for _ in range(reps):
         for kn, (m, step) in models.items():
-            for warm in (True, False):
-                caches = [kvtier.make_cache("full", m) for _ in seqs]
-                t = time.perf_counter()
-                lgs[kn] = rows_logits(m, step, caches, seqs)
-                if not warm:
-                    times[kn].append(1e3 * (time.perf_counter() - t))
+            ms, lgs[kn] = timed_prefill(m, step, seqs)
+            times[kn].append(ms)
     res["prefill"] = {"tokens": sum(PROMPTS), "ms": times, "median_ms": {k: statistics.median(v) for k, v in times.items()},
                       "max_logit_diff": (lgs["onednn"].float() - lgs["amx"].float()).abs().max().item()}
     return res

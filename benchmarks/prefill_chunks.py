@@ -53,6 +53,16 @@ def per_row() -> dict:
     return out
 
 
+def timed_prefill(model, step, seqs: list[list[int]]) -> tuple[float, torch.Tensor]:
+    """A packed prefill of ``seqs`` into fresh one-row ``full`` caches through ``step``, once to warm and once timed:
+    (ms of the timed one, its logits). The A/B scripts alternate their variants over this."""
+    for warm in (True, False):
+        caches = [kvtier.make_cache("full", model) for _ in seqs]
+        t = time.perf_counter()
+        lg = rows_logits(model, step, caches, seqs)
+    return 1e3 * (time.perf_counter() - t), lg
+
+
 def prefill(reps: int) -> dict:
     model, _ = kvtier.load_model("random:qwen2.5-0.5b", device="cpu", dtype="bfloat16")
     step = direct_step(model)
@@ -63,13 +73,8 @@ def prefill(reps: int) -> dict:
     for _ in range(reps):
         for how in ("whole", "pieces"):
             lin_mod.CHUNK_MIN_ROWS = 1 << 60 if how == "whole" else default
-            for warm in (True, False):
-                caches = [kvtier.make_cache("full", model) for _ in seqs]
-                t = time.perf_counter()
-                lg = rows_logits(model, step, caches, seqs)
-                if not warm:
-                    times[how].append(1e3 * (time.perf_counter() - t))
-            logits[how] = lg
+            ms, logits[how] = timed_prefill(model, step, seqs)
+            times[how].append(ms)
     lin_mod.CHUNK_MIN_ROWS = default
     return {"tokens": sum(PROMPTS), "ms": times, "median_ms": {k: statistics.median(v) for k, v in times.items()},
             "logits_equal": bool(torch.equal(logits["whole"], logits["pieces"]))}

@@ -20,6 +20,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,9 +35,11 @@ from kvtier.step import mlp as mlp_mod
 from kvtier.step import norm as norm_mod
 from kvtier.step.direct import DirectStep, rows_logits
 
+sys.path.insert(0, str(Path(__file__).parent))
+from prefill_chunks import PROMPTS, timed_prefill  # noqa: E402
+
 WIDTH = 4864
 ROWS = (1, 8, 32, 738)
-PROMPTS = (105, 98, 112, 101, 95, 120, 107)
 
 
 def _us(f, n: int) -> float:
@@ -120,13 +123,8 @@ def in_step(fusion: str, reps: int, decode_steps: int) -> dict:
     prefill, logits = {k: [] for k in steps}, {}
     for _ in range(reps):
         for how, step in steps.items():
-            for warm in (True, False):
-                caches = [kvtier.make_cache("full", model) for _ in seqs]
-                t = time.perf_counter()
-                lg = rows_logits(model, step, caches, seqs)
-                if not warm:
-                    prefill[how].append(1e3 * (time.perf_counter() - t))
-            logits[how] = lg
+            ms, logits[how] = timed_prefill(model, step, seqs)
+            prefill[how].append(ms)
     prefill_equal = bool(torch.equal(logits["fused"], logits["torch"]))
     # 32 rows of ~100 tokens, prefilled once; then decode steps alternating between the two steps (each appends
     # its token to every row: the rows grow by one a step either way)
