@@ -238,7 +238,7 @@ def take_staging_seconds() -> float:
 
 
 def staged_rows(head_dim: int, dtype: torch.dtype) -> int:
-    """Rows of a staged (b, h) block the kernel copies at a time for K/V of ``head_dim`` and ``dtype`` (~32 KiB,
+    """Rows of a staged (b, h) block the kernel copies at a time for K/V of ``head_dim`` and ``dtype`` (~8 KiB,
     whole value tiles): a worker's staging buffer holds at most this many rows."""
     mod = _module()
     if mod is None:

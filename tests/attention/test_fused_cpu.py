@@ -156,6 +156,50 @@ def test_long_rows_fold_the_same_scores_on_any_thread_count(B):
     assert (got[1] != 0).sum() == (ref != 0).sum()  # every live column folded once, nothing else
 
 
+def test_score_fold_gives_each_column_the_same_bits_in_any_position_layout():
+    """The fold adds each kept column's weight to the cell at its position: 8 columns at a time where the CPU has
+    AVX-512 (consecutive positions stored in place, others gathered and scattered), one by one otherwise and where
+    a block's kept positions repeat. Whichever way a column goes, its cell gets the same bits; a repeated position
+    gets both adds; a position outside the accumulator is named, wherever it falls."""
+    g = torch.Generator().manual_seed(5)
+    B, H, grp, D, C = 2, 2, 7, 64, 203  # 203: 25 blocks of 8 and a remainder
+    k = torch.randn(B, H, C, D, generator=g).to(torch.bfloat16)
+    v = torch.randn(B, H, C, D, generator=g).to(torch.bfloat16)
+    q = torch.randn(B, H, grp, D, generator=g).to(torch.bfloat16)
+    valid = torch.rand(B, C, generator=g) < 0.7
+    valid[:, 0] = valid[:, 1] = True
+    bias = mask_bias(valid)
+    width = C + 40
+
+    def fold(pos):
+        sc = torch.full((B, width), 0.5, dtype=torch.float64)
+        fused_cpu.attend(q, [k], [v], [bias], [pos], [sc], 0.01, 0.125)
+        return sc
+
+    layouts = {"consecutive": torch.arange(7, 7 + C).expand(B, C).contiguous(),
+               "permuted": torch.stack([torch.randperm(width, generator=g)[:C] for _ in range(B)])}
+    per_column = {name: fold(pos).gather(1, pos) for name, pos in layouts.items()}
+    assert torch.equal(per_column["consecutive"], per_column["permuted"])
+    col = per_column["consecutive"]
+    assert ((col != 0.5) == valid).all()  # kept columns added once, masked ones never
+    # a repeat in the first block: the row goes column by column; every other column keeps its bits
+    dup = layouts["permuted"].clone()
+    dup[:, 1] = dup[:, 0]
+    got = fold(dup)
+    rest = torch.ones(C, dtype=torch.bool)
+    rest[:2] = False
+    assert torch.equal(got.gather(1, dup)[:, rest], col[:, rest])
+    both = got.gather(1, dup[:, :1]).squeeze(1)
+    assert torch.allclose(both, col[:, 0] + col[:, 1] - 0.5, rtol=0, atol=1e-15)
+    bad = layouts["consecutive"].clone()
+    bad[1, 10] = width  # a kept column inside a block of 8
+    valid_bad = valid.clone()
+    valid_bad[1, 10] = True
+    with pytest.raises(RuntimeError, match=f"score position {width} outside"):
+        fused_cpu.attend(q, [k], [v], [mask_bias(valid_bad)], [bad], [torch.zeros(B, width, dtype=torch.float64)],
+                         0.01, 0.125)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("D", [64, 24])
 def test_staged_regions_read_the_same_floats(dtype, D):
