@@ -100,7 +100,7 @@ def run(model_name: str, batch: int, context: int, steps: int, warmup: int, poli
     with torch.no_grad():
         if layout == "batch":
             cache = kvtier.make_cache(policy, model)
-            out_ = model(input_ids=ids, **cache_kw(model, cache), use_cache=True)
+            out_ = model(input_ids=ids, **cache_kw(model, cache), use_cache=True, logits_to_keep=1)
             nxt = out_.logits[:, -1].argmax(-1, keepdim=True)
 
             def step():

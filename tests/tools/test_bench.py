@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
+from conftest import prompt_ids
+from transformers import DynamicCache
 from typer.testing import CliRunner
 
 from kvtier.cli import app
+from kvtier.tools.bench import _Run
 
 runner = CliRunner()
 
@@ -108,3 +112,27 @@ def test_the_floor_of_a_mixture_of_experts_counts_routed_experts():
     assert step_floor(dense, 1)["floor_ms"] == pytest.approx(1e3 * w / 1e9)
     floors["gemm_peak_gflops"] = 1e-6  # matmul-bound: k of E experts multiplied per row
     assert step_floor(floors, 3)["floor_ms"] == pytest.approx(1e3 * 2 * 3 * (w - eb * (1 - k / e)) / 4 / 1e3)
+
+
+def test_the_prefill_computes_only_the_last_positions_logits(qwen2):
+    """The timed runs' prefill asks for one position's logits (all of them are B x context x vocab: 39.8 GB at
+    32 x 4096 for a 151,936-token vocabulary, which ran the largest points out of memory); its next token is the
+    one the whole prompt's logits give."""
+    class Spy(torch.nn.Module):  # the model's forward, with the logits' shape of every call noted
+        def __init__(self, model):
+            super().__init__()
+            self.model, self.shapes = model, []
+
+        def forward(self, input_ids=None, past_key_values=None, **kw):
+            out = self.model(input_ids=input_ids, past_key_values=past_key_values, **kw)
+            self.shapes.append(tuple(out.logits.shape))
+            return out
+
+    spy = Spy(qwen2)
+    ids = prompt_ids(batch=2, length=16)
+    run = _Run(spy, ids, lambda: DynamicCache(config=qwen2.config), torch.device("cpu"))
+    assert spy.shapes == [(2, 1, qwen2.config.vocab_size)]
+    with torch.no_grad():
+        whole = qwen2(input_ids=ids, past_key_values=DynamicCache(config=qwen2.config), use_cache=True).logits
+    assert whole.shape[1] == 16
+    assert torch.equal(run.tok, whole[:, -1].argmax(-1, keepdim=True))
