@@ -23,10 +23,10 @@ Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tupl
 
 def fused_rotary(reference: Rotary) -> Rotary:
     """``(q, k, cos, sin) -> (q, k)`` equal to ``reference`` (the model's ``apply_rotary_pos_emb``): the kernel for
-    what it takes — q/k (1, H, N, D) bf16 CPU tensors, last dim contiguous (contiguous, the per-head view of a
-    (1, N, H, D) projection output, or of a column slice of a fused q/k/v product: their strides are read); cos/sin
-    (1, N, D) bf16, last dim contiguous; no gradient — else ``reference`` itself. Where the kernel cannot be built:
-    ``reference``."""
+    what it takes — q/k (B, H, N, D) bf16 CPU tensors, last dim contiguous (contiguous, the per-head view of a
+    (B, N, H, D) projection output, or of a column slice of a fused q/k/v product: their strides are read); cos/sin
+    (1 or B, N, D) bf16, last dim contiguous (1: every row at the same positions, a batch decode step); no gradient —
+    else ``reference`` itself. Where the kernel cannot be built: ``reference``."""
     mod = _module()
     if mod is None:
         return reference
@@ -34,8 +34,9 @@ def fused_rotary(reference: Rotary) -> Rotary:
     def rotary(q, k, cos, sin):
         n, d = q.shape[-2], q.shape[-1]
         if (q.dtype == k.dtype == cos.dtype == sin.dtype == torch.bfloat16 and q.device.type == "cpu"
-                and q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] == 1 and d % 2 == 0
-                and k.shape[-2:] == q.shape[-2:] and cos.shape == sin.shape == (1, n, d)
+                and q.dim() == k.dim() == 4 and q.shape[0] == k.shape[0] and d % 2 == 0
+                and k.shape[-2:] == q.shape[-2:] and cos.shape == sin.shape and cos.shape[0] in (1, q.shape[0])
+                and cos.shape[1:] == (n, d)
                 and q.stride(-1) == k.stride(-1) == cos.stride(-1) == sin.stride(-1) == 1
                 and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))):
             return tuple(mod.rotary(q, k, cos, sin))

@@ -110,30 +110,33 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor y, torch:
   return {s, h};
 }
 
-// transformers' apply_rotary_pos_emb on one bf16 tensor x (1, H, N, D), last dim contiguous (its other strides any:
-// a column slice of a fused q/k/v product too), with cos/sin (1, N, D):
+// transformers' apply_rotary_pos_emb on one bf16 tensor x (B, H, N, D), last dim contiguous (its other strides any:
+// a column slice of a fused q/k/v product too), with cos/sin (1 or B, N, D):
 // x * cos + rotate_half(x) * sin, where rotate_half(x) = cat(-x[..., D/2:], x[..., :D/2]), each of the three eager
 // ops rounded to bf16 as torch rounds it (float32 arithmetic, round to nearest even); the negation is exact.
 torch::Tensor rotary_one(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
   using bf16 = c10::BFloat16;
-  const int64_t H = x.size(1), N = x.size(2), D = x.size(3), half = D / 2;
-  // torch lays an elementwise result out in x's dimension order: (1, N, H, D) in memory when x's heads are the
+  const int64_t B = x.size(0), H = x.size(1), N = x.size(2), D = x.size(3), half = D / 2;
+  // torch lays an elementwise result out in x's dimension order: (B, N, H, D) in memory when x's heads are the
   // inner dim (the per-head view of a projection's output, or of a column slice of a fused q/k/v product)
-  auto out = x.stride(1) <= x.stride(2) ? torch::empty({1, N, H, D}, x.options()).transpose(1, 2)
-                                        : torch::empty({1, H, N, D}, x.options());
+  auto out = x.stride(1) <= x.stride(2) ? torch::empty({B, N, H, D}, x.options()).transpose(1, 2)
+                                        : torch::empty({B, H, N, D}, x.options());
   const bf16* xp = x.data_ptr<bf16>();
   bf16* op = out.data_ptr<bf16>();
   const bf16* cp = cos.data_ptr<bf16>();
   const bf16* sp = sin.data_ptr<bf16>();
-  const int64_t xs1 = x.stride(1), xs2 = x.stride(2), os1 = out.stride(1), os2 = out.stride(2);
+  const int64_t xs0 = x.stride(0), xs1 = x.stride(1), xs2 = x.stride(2);
+  const int64_t os0 = out.stride(0), os1 = out.stride(1), os2 = out.stride(2);
+  // a batch of rows at one position each shares cos/sin (1, N, D): its batch stride is 0
+  const int64_t cs0 = cos.size(0) == 1 ? 0 : cos.stride(0), ss0 = sin.size(0) == 1 ? 0 : sin.stride(0);
   const int64_t cs = cos.stride(1), ss = sin.stride(1);
-  at::parallel_for(0, H * N, 64, [&](int64_t b, int64_t e) {
-    for (int64_t r = b; r < e; ++r) {
-      const int64_t h = r / N, n = r % N;
-      const bf16* xr = xp + h * xs1 + n * xs2;
-      bf16* orow = op + h * os1 + n * os2;
-      const bf16* c = cp + n * cs;
-      const bf16* s = sp + n * ss;
+  at::parallel_for(0, B * H * N, 64, [&](int64_t b0, int64_t e) {
+    for (int64_t r = b0; r < e; ++r) {
+      const int64_t b = r / (H * N), h = r / N % H, n = r % N;
+      const bf16* xr = xp + b * xs0 + h * xs1 + n * xs2;
+      bf16* orow = op + b * os0 + h * os1 + n * os2;
+      const bf16* c = cp + b * cs0 + n * cs;
+      const bf16* s = sp + b * ss0 + n * ss;
       for (int64_t d = 0; d < D; ++d) {
         const float rot = d < half ? -static_cast<float>(xr[d + half]) : static_cast<float>(xr[d - half]);
         const bf16 a = static_cast<bf16>(static_cast<float>(xr[d]) * static_cast<float>(c[d]));
@@ -147,13 +150,15 @@ torch::Tensor rotary_one(const torch::Tensor& x, const torch::Tensor& cos, const
 
 std::vector<torch::Tensor> rotary(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
   for (const auto* t : {&q, &k})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 4 && t->size(0) == 1 &&
-                    t->stride(3) == 1 && t->size(3) % 2 == 0 && t->size(2) == q.size(2) && t->size(3) == q.size(3),
-                "rotary: q and k (1, H, N, D) bfloat16 on the CPU, last dim contiguous, D even, one N and D");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 4 &&
+                    t->size(0) == q.size(0) && t->stride(3) == 1 && t->size(3) % 2 == 0 &&
+                    t->size(2) == q.size(2) && t->size(3) == q.size(3),
+                "rotary: q and k (B, H, N, D) bfloat16 on the CPU, last dim contiguous, D even, one B, N and D");
   for (const auto* t : {&cos, &sin})
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->size(0) == 1 &&
-                    t->size(1) == q.size(2) && t->size(2) == q.size(3) && t->stride(2) == 1,
-                "rotary: cos and sin (1, N, D) bfloat16 on the CPU, last dim contiguous");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kBFloat16 && t->dim() == 3 &&
+                    (t->size(0) == 1 || t->size(0) == q.size(0)) && t->size(1) == q.size(2) &&
+                    t->size(2) == q.size(3) && t->stride(2) == 1,
+                "rotary: cos and sin (1 or B, N, D) bfloat16 on the CPU, last dim contiguous");
   return {rotary_one(q, cos, sin), rotary_one(k, cos, sin)};
 }
 
