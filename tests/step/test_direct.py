@@ -12,7 +12,8 @@ import kvtier
 from kvtier.models import random_model
 from kvtier.step import FusedLinear, FusedMLP, FusedRMSNorm, PackedLinear, prepare_step
 from kvtier.step import direct as direct_mod
-from kvtier.step.direct import DirectStep, direct_step, rows_logits, unsupported
+from kvtier.compat import cache_kw
+from kvtier.step.direct import DirectStep, batch_logits, direct_step, rows_logits, unsupported
 
 NO_EVICT = {"hbm_ratio": 0.3, "evict_ratio": 0.0, "recent_window": 4, "retier_interval": 8}
 # row 0 full (the rows kernel), row 1 tiered without eviction (its own split attention, reassigned every 8 steps),
@@ -62,6 +63,59 @@ def test_direct_step_gives_the_models_logits_bit_for_bit(preset, dtype, mode, mo
     got = _steps(model, "direct", step)
     for i, (a, b) in enumerate(zip(ref, got)):
         assert a.dtype == b.dtype and torch.equal(a, b), f"step {i}: max |diff| {(a.float() - b.float()).abs().max()}"
+
+
+# batch caches as kvtier bench runs them: full (the fused kernel, and its eager path), tiered with reassignments and
+# eviction (split attention, the ordered reference), and a baseline of the headwise kind (its own scoring)
+BATCH = [("full", {}), ("full", {"kernel": "eager"}),
+         ("tiered", {"hbm_ratio": 0.3, "evict_ratio": 0.1, "recent_window": 4, "retier_interval": 8}),
+         ("tiered", {"hbm_ratio": 0.3, "evict_ratio": 0.1, "recent_window": 4, "retier_interval": 8,
+                     "attention": "ordered"}),
+         ("h2o", {"budget_ratio": 0.6})]
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen2", "tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "eager"), (torch.bfloat16, "packed")])
+def test_a_batch_decode_step_gives_the_models_logits_bit_for_bit(preset, dtype, mode):
+    """Three rows prefilled by the model's forward, then 40 decode steps of a batch cache through the direct step
+    and through the model's forward (twin caches, each fed its own greedy tokens): every logit equal, for each
+    policy above."""
+    model = random_model(preset, dtype=dtype)
+    prepare_step(model, mode)
+    step = direct_step(model)
+    assert step is not None
+    ids = torch.randint(3, model.config.vocab_size - 1, (3, 11), generator=torch.Generator().manual_seed(3))
+    for policy, params in BATCH:
+        runs = []
+        for how in (None, step):
+            cache = kvtier.make_cache(policy, model, **params)
+            with torch.no_grad():
+                lg = model(input_ids=ids, **cache_kw(model, cache), use_cache=True, logits_to_keep=1).logits
+            out = []
+            for _ in range(40):
+                lg = batch_logits(model, how, cache, lg[:, -1].float().argmax(-1, keepdim=True))
+                out.append(lg)
+            runs.append(out)
+        for i, (a, b) in enumerate(zip(*runs)):
+            assert a.shape == (3, 1, model.config.vocab_size) and a.dtype == b.dtype and torch.equal(a, b), \
+                f"{policy} {params} step {i}: max |diff| {(a.float() - b.float()).abs().max()}"
+
+
+def test_a_batch_cache_takes_decode_steps_only():
+    """A prompt needs the model's causal mask: a batch cache's direct step refuses one, and an empty cache; a cache
+    of another model's layer count is named."""
+    model = random_model("tiny-qwen2", dtype=torch.float32)
+    step = DirectStep(model)
+    cache = kvtier.make_cache("full", model)
+    with pytest.raises(ValueError, match="one decode token per row of a prefilled cache"):
+        step(torch.tensor([[5], [6]]), cache, torch.zeros(1, 1, dtype=torch.long))
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7]]), **cache_kw(model, cache), use_cache=True)
+        with pytest.raises(ValueError, match="one decode token per row"):
+            step(torch.tensor([[5, 6]]), cache, torch.tensor([[3, 4]]))
+        cache.layers = cache.layers[:1]  # as a cache made for a one-layer model would be
+        with pytest.raises(ValueError, match="has 1 layers, the model 2; make the cache for the model"):
+            step(torch.tensor([[5]]), cache, torch.full((1, 1), 3))
 
 
 def test_models_the_step_does_not_know_keep_their_forward(caplog):
