@@ -40,6 +40,9 @@ def bench(
                                                     "each: auto, packed (oneDNN-prepacked projections; both fuse the "
                                                     "RMSNorms), eager (stock F.linear and norms); default: kvtier "
                                                     "--linear, else auto"),
+    direct: bool = typer.Option(True, help="kvtier caches decode through kvtier's direct step (Llama/Qwen2/Qwen3/"
+                                           "Mistral: the model's ops from one loop, checked bit for bit at load; "
+                                           "not with --linear eager); --no-direct: the model's forward"),
     json_out: Optional[Path] = typer.Option(None, "--json", help="write the results here"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto"),
@@ -69,6 +72,7 @@ def bench(
             t1_attentions=tuple(x.strip() for x in t1_attention.split(",") if x.strip()),
             kernels=tuple(x.strip() for x in kernel.split(",") if x.strip()),
             linears=tuple(x.strip() for x in linear.split(",") if x.strip()) if linear else (linear_mode(),),
+            direct=direct,
         )
         from ..models import peek_position_limit, resolve_dtype
 
@@ -119,7 +123,8 @@ def print_bench(res: dict) -> None:
         gb = f"{r['h2d_gbps']:.1f} ({100 * r['h2d_fraction_of_peak']:.0f}%)" if r.get("h2d_gbps") else "–"
         kv = r["kv_bytes"]
         floor = f"{r['floor_ms']:.1f} ({r['vs_floor']:.2f}x)" if r.get("vs_floor") else "–"
-        t.add_row(str(r["batch"]), *((f"{r['linear']} ({r['packed_linears']})",) if linears else ()), r["policy"], p,
+        policy = r["policy"] + (" (direct)" if r.get("step") == "direct" else "")
+        t.add_row(str(r["batch"]), *((f"{r['linear']} ({r['packed_linears']})",) if linears else ()), policy, p,
                   f"{r['decode_tok_s']:.1f}", f"{r['ms_per_step']:.1f}", f"{r['ms_per_step_median']:.1f}", floor,
                   f"{r['ratio_to_full']:.3f} ({r['median_ratio_to_full']:.3f})",
                   f"{r['ratio_to_stock']:.3f} ({r['median_ratio_to_stock']:.3f})" if r.get("ratio_to_stock") else "–",

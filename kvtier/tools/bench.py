@@ -23,7 +23,9 @@ import torch
 from ..compat import cache_kw
 from ..models import load_model, resolve_device
 from ..step import expert_weights, packed_count, step_weight_bytes
+from ..attention.fused_cpu import argmax_rows
 from ..step.cpu import cpu_isa
+from ..step.direct import batch_logits, direct_step
 from ..transfer import memcpy_peak_gbps, seam_for
 
 log = logging.getLogger(__name__)
@@ -50,6 +52,9 @@ class BenchConfig:
     t1_attentions: tuple[str, ...] = ("auto",)  # ... and, in split mode, once per T1 mode
     kernels: tuple[str, ...] = ("auto",)  # ... and once per split-step implementation (fused CPU kernel / eager)
     linears: tuple[str, ...] = ("auto",)  # the model's projections (kvtier.step.linear): one model load per mode
+    # kvtier caches decode through kvtier.step.direct where the model takes it (Llama/Qwen2/Qwen3/Mistral, checked
+    # bit for bit at load), except with linear "eager": that mode is transformers' stock step
+    direct: bool = True
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0
@@ -160,20 +165,25 @@ def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
 
 
 class _Run:
-    """One configuration's generation: prefill at construction, then timed single steps (synchronized)."""
+    """One configuration's generation: prefill at construction, then timed single steps (synchronized). A kvtier
+    cache's steps go through ``direct`` (:class:`kvtier.step.direct.DirectStep`) where given, else the model's
+    forward; every step's greedy pick is :func:`kvtier.attention.fused_cpu.argmax_rows` (one pass over the logits in
+    their dtype, the tokens ``float().argmax`` picks: at 32 rows of a 152K vocabulary in bf16, ``argmax`` on the
+    bf16 logits took ~9 ms a step on a 2-core EPYC, argmax_rows well under 1)."""
 
-    def __init__(self, model, ids: torch.Tensor, make: Callable, device: torch.device) -> None:
+    def __init__(self, model, ids: torch.Tensor, make: Callable, device: torch.device, direct=None) -> None:
         import kvtier
 
         self.model, self.device = model, device
         self.cache = make()
         self.is_kvtier = isinstance(self.cache, kvtier.KVTierCache)
+        self.direct = direct if self.is_kvtier else None
         self.cache_kw = cache_kw(model, self.cache)  # once: the timed step does nothing but the forward
         with torch.no_grad():
             # the last position's logits only: all of them are B x context x vocab (39.8 GB in bf16 at 32 x 4096
             # with a 151,936-token vocabulary), what ran the largest points out of memory
             out = model(input_ids=ids, **self.cache_kw, use_cache=True, logits_to_keep=1)
-        self.tok = out.logits[:, -1].argmax(-1, keepdim=True)
+        self.tok = argmax_rows(out.logits[:, -1]).unsqueeze(-1)
         self.steps: list[float] = []
         self.before = None
 
@@ -181,7 +191,11 @@ class _Run:
         _sync(self.device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            self.tok = self.model(input_ids=self.tok, **self.cache_kw, use_cache=True).logits[:, -1].argmax(-1, keepdim=True)
+            if self.direct is not None:
+                logits = batch_logits(self.model, self.direct, self.cache, self.tok)
+            else:
+                logits = self.model(input_ids=self.tok, **self.cache_kw, use_cache=True).logits
+            self.tok = argmax_rows(logits[:, -1]).unsqueeze(-1)
         _sync(self.device)
         if timed:
             self.steps.append(time.perf_counter() - t0)
@@ -216,10 +230,11 @@ class _Run:
         return rec
 
 
-def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, device: torch.device) -> dict:
+def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, device: torch.device,
+             direct=None) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    run = _Run(model, ids, make, device)
+    run = _Run(model, ids, make, device, direct)
     for _ in range(warmup):
         run.step(timed=False)
     run.start_timing()
@@ -229,11 +244,11 @@ def _one_run(model, ids: torch.Tensor, make: Callable, warmup: int, steps: int, 
     return run.record(time.perf_counter() - t)
 
 
-def _interleaved(model, ids: torch.Tensor, makes: list[Callable], warmup: int, steps: int, device: torch.device
-                 ) -> list[dict]:
+def _interleaved(model, ids: torch.Tensor, makes: list[Callable], warmup: int, steps: int, device: torch.device,
+                 direct=None) -> list[dict]:
     """Every configuration's cache at once, one decode step of each in turn: a slow spell of a shared machine then
     hits every configuration alike (their caches must fit together)."""
-    runs = [_Run(model, ids, make, device) for make in makes]
+    runs = [_Run(model, ids, make, device, direct) for make in makes]
     for _ in range(warmup):
         for run in runs:
             run.step(timed=False)
@@ -283,6 +298,8 @@ def _bench_model(cfg: BenchConfig, model, linear: str, device: torch.device, war
     import kvtier
 
     packed = packed_count(model)
+    # the direct step, checked against the model's forward on the model as loaded (None where it does not take it)
+    direct = direct_step(model) if cfg.direct and linear != "eager" else None
     tag = f"linear {linear}: " if len(cfg.linears) > 1 else ""
     vocab = min(model.config.vocab_size, 256)
     g = torch.Generator().manual_seed(cfg.seed)
@@ -310,13 +327,13 @@ def _bench_model(cfg: BenchConfig, model, linear: str, device: torch.device, war
                 if cfg.interleave:
                     makes.append(make)
                     continue
-                rec = _one_run(model, ids, make, warmup, cfg.new_tokens, device)
+                rec = _one_run(model, ids, make, warmup, cfg.new_tokens, device, direct)
                 if r > 0:
                     runs.setdefault(i, []).append(rec)
                 if on_progress:
                     on_progress(f"{tag}batch {B} repeat {r}/{cfg.repeats} {name} {params}")
             if cfg.interleave:
-                for i, rec in enumerate(_interleaved(model, ids, makes, warmup, cfg.new_tokens, device)):
+                for i, rec in enumerate(_interleaved(model, ids, makes, warmup, cfg.new_tokens, device, direct)):
                     if r > 0:
                         runs.setdefault(i, []).append(rec)
                 if on_progress:
@@ -330,6 +347,8 @@ def _bench_model(cfg: BenchConfig, model, linear: str, device: torch.device, war
                 "batch": B,
                 "linear": linear,
                 "packed_linears": packed,
+                # what ran the decode steps: kvtier's direct step or the model's forward (stock caches: always it)
+                "step": "direct" if direct is not None and not name.startswith("stock_") else "model",
                 "policy": name,
                 "params": params,
                 "decode_tok_s": B * cfg.new_tokens / med,

@@ -10,8 +10,10 @@ from conftest import prompt_ids
 from transformers import DynamicCache
 from typer.testing import CliRunner
 
+import kvtier
 from kvtier.cli import app
-from kvtier.tools.bench import _Run
+from kvtier.step.direct import direct_step
+from kvtier.tools.bench import BenchConfig, _Run, run_bench
 
 runner = CliRunner()
 
@@ -34,6 +36,8 @@ def test_bench_cpu_json_schema(tmp_path):
     modes = [(r["params"].get("attention"), r["params"].get("t1_attention")) for r in rows[4:8]]
     assert modes == [("split", "stream"), ("split", "host"), ("ordered", "stream"), (None, "stream")]
     assert [r["t1_mode"] for r in rows[4:7]] == ["stream", "host", "stream"]
+    # kvtier's caches decode through the direct step, the stock caches through the model's forward
+    assert [r["step"] for r in rows] == ["model", "model"] + ["direct"] * 10 + ["model", "model"] + ["direct"] * 10
     common = {"batch", "policy", "params", "decode_tok_s", "ms_per_step", "ratio_to_full", "ratio_to_stock",
               "peak_device_bytes", "kv_bytes", "allocated_bytes", "seconds_repeats"}
     for r in rows:
@@ -136,3 +140,30 @@ def test_the_prefill_computes_only_the_last_positions_logits(qwen2):
         whole = qwen2(input_ids=ids, past_key_values=DynamicCache(config=qwen2.config), use_cache=True).logits
     assert whole.shape[1] == 16
     assert torch.equal(run.tok, whole[:, -1].argmax(-1, keepdim=True))
+
+
+def test_the_direct_step_decodes_the_models_tokens(qwen2, monkeypatch):
+    """A kvtier cache's bench steps through the direct step pick the tokens the model's forward picks (tiered with
+    reassignments and eviction; full), and --no-direct (BenchConfig.direct False) runs the model's forward."""
+    step = direct_step(qwen2)
+    ids = prompt_ids(batch=3, length=12)
+    for policy, params in (("full", {}), ("tiered", {"hbm_ratio": 0.3, "evict_ratio": 0.1, "recent_window": 4,
+                                                      "retier_interval": 4})):
+        runs = [_Run(qwen2, ids, lambda: kvtier.make_cache(policy, qwen2, **params), torch.device("cpu"), d)
+                for d in (None, step)]
+        assert runs[1].direct is step and runs[0].direct is None
+        for _ in range(12):
+            for r in runs:
+                r.step(timed=False)
+            assert torch.equal(runs[0].tok, runs[1].tok)
+    calls = []
+    real = type(step).__call__
+    monkeypatch.setattr(type(step), "__call__", lambda self, *a: calls.append(1) or real(self, *a))
+    common = dict(model="random:tiny-qwen2", context=16, new_tokens=2, batches=(2,), policies=("full",),
+                  repeats=1, warmup_steps=1, stock=False, device="cpu", dtype="fp32")
+    rows = run_bench(BenchConfig(direct=False, **common))["results"]
+    assert [r["step"] for r in rows] == ["model"] and calls == []
+    rows = run_bench(BenchConfig(**common))["results"]
+    assert [r["step"] for r in rows] == ["direct"] and calls
+    rows = run_bench(BenchConfig(linears=("eager",), **common))["results"]  # eager: transformers' stock step
+    assert [r["step"] for r in rows] == ["model"]
