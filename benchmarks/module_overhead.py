@@ -1,6 +1,10 @@
-"""What transformers' module machinery costs serve's rows decode step: the model's forward vs kvtier.step.direct.
+"""What transformers' module machinery costs a decode step: the model's forward vs kvtier.step.direct.
 
     python benchmarks/module_overhead.py --rows 1,8,32 --context 384 --reps 4 --out benchmarks/results/<folder>/
+
+``--layout rows`` (default): serve's packed rows step, below. ``--layout batch``: one batch cache of B rows, as
+``generate`` and ``kvtier bench`` run it (prefilled by the model's forward, then twin caches stepped one token a
+row through the model's forward and through the direct step, :func:`kvtier.step.direct.batch_logits`).
 
 Why (#29): the decode step's matmuls are at vLLM-CPU's (the same oneDNN kernel, measured apart), yet the whole step
 is 1.2-1.3x its inter-token time at 8 and 32 rows; what is left is the attention kernel, small ops and Python. This
@@ -33,7 +37,7 @@ import torch
 import kvtier
 from kvtier.attention import fused_cpu
 from kvtier.compat import cache_kw
-from kvtier.step.direct import direct_step, rows_logits
+from kvtier.step.direct import batch_logits, direct_step, rows_logits
 
 
 def paired(model, direct, batch: int, context: int, steps: int, seed: int) -> tuple[list, list, bool]:
@@ -65,6 +69,32 @@ def paired(model, direct, batch: int, context: int, steps: int, seed: int) -> tu
     return ms["model"], ms["direct"], equal
 
 
+def paired_batch(model, direct, batch: int, context: int, steps: int, seed: int) -> tuple[list, list, bool]:
+    """As :func:`paired`, on twin batch caches of ``batch`` rows (``generate`` / ``kvtier bench``'s layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(10, model.config.vocab_size - 10, (batch, context), generator=gen)
+    caches, toks = [], []
+    for _ in range(2):
+        c = kvtier.make_cache("full", model)
+        lg = model(input_ids=ids, **cache_kw(model, c), use_cache=True, logits_to_keep=1).logits
+        caches.append(c)
+        toks.append(fused_cpu.argmax_rows(lg[:, -1]).unsqueeze(-1))
+    ms = {"model": [], "direct": []}
+    equal = True
+    for s in range(4 + steps):
+        out = {}
+        for how in ("model", "direct") if s % 2 == 0 else ("direct", "model"):
+            i = 0 if how == "model" else 1
+            t = time.perf_counter()
+            lg = batch_logits(model, direct if how == "direct" else None, caches[i], toks[i])
+            toks[i] = fused_cpu.argmax_rows(lg[:, -1]).unsqueeze(-1)
+            if s >= 4:
+                ms[how].append(1e3 * (time.perf_counter() - t))
+            out[how] = lg
+        equal = equal and torch.equal(out["model"], out["direct"])
+    return ms["model"], ms["direct"], equal
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
@@ -73,6 +103,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=384)
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--reps", type=int, default=4)
+    ap.add_argument("--layout", default="rows", choices=["rows", "batch"])
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args()
     a.out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +116,8 @@ def main() -> None:
         for batch in [int(x) for x in a.rows.split(",")]:
             mm, dd, eq = [], [], True
             for rep in range(a.reps):
-                m_ms, d_ms, e = paired(model, direct, batch, a.context, a.steps, seed=rep)
+                m_ms, d_ms, e = (paired if a.layout == "rows" else paired_batch)(model, direct, batch, a.context,
+                                                                                 a.steps, seed=rep)
                 mm += m_ms
                 dd += d_ms
                 eq = eq and e
@@ -99,7 +131,8 @@ def main() -> None:
     meta = {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "command": " ".join(sys.argv),
             "torch": torch.__version__, "threads": torch.get_num_threads(), "logits_equal": equal}
     (a.out / "module_overhead.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    md = [f"# transformers' module machinery in serve's rows step ({meta['date']})", "",
+    where = "serve's rows step" if a.layout == "rows" else "a batch cache's step (generate, kvtier bench)"
+    md = [f"# transformers' module machinery in {where} ({meta['date']})", "",
           f"`{meta['command']}` · torch {meta['torch']} · {meta['threads']} threads · logits of `direct` equal "
           f"the model's at every step: **{equal}**", "",
           "| rows | steps (paired) | model ms/step, median | direct ms/step, median | saving a step (median of "
