@@ -54,8 +54,9 @@ def generate(
         cache = kvtier.make_cache(policy, m, record_tiers=bool(html or png), **params)
         with torch.no_grad():
             from ..compat import cache_kw
+            from ..step.decode import decode_kw
 
-            out = m.generate(**enc, **cache_kw(m, cache), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+            out = m.generate(**enc, **cache_kw(m, cache), **decode_kw(), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
         plen = enc.input_ids.shape[1]
         # the model's text verbatim: rich would read "\[" and "[b]" in it as markup
         console.print(tok.decode(out[0, plen:], skip_special_tokens=True), markup=False, highlight=False)

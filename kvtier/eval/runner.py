@@ -241,13 +241,14 @@ def warm_up(model, tok, configs: list[EvalConfig]) -> float:
     import kvtier
 
     from ..compat import cache_kw
+    from ..step.decode import decode_kw
 
     t = time.perf_counter()
     ids = tok(["warm up"], return_tensors="pt").input_ids.to(model.device)
     for c in configs:
         cache = kvtier.make_cache(c.policy, model, **c.params)
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kw(model, cache),
+            model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), **cache_kw(model, cache), **decode_kw(),
                            max_new_tokens=2, do_sample=False, temperature=None, top_p=None, top_k=None,
                            pad_token_id=tok.pad_token_id)
     seam_for(model.device).synchronize(model.device)
@@ -303,6 +304,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
 
     from ..compat import cache_kw
     from ..step.cpu import machine
+    from ..step.decode import decode_kw
     from ..tiers.tiermap import cache_codes, compact, sequence_map, token_pieces
     from .answer_step import AnswerSteps
 
@@ -326,7 +328,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
     sync(model.device)
     t = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**enc, **cache_kw(model, cache), **gen)
+        out = model.generate(**enc, **cache_kw(model, cache), **gen, **decode_kw())
     sync(model.device)
     dt = time.perf_counter() - t
     answers.finish(len(batch), out.shape[1] - plen - 1)

@@ -442,6 +442,7 @@ class Engine:
         import kvtier
 
         from ..compat import cache_kw
+        from ..step.decode import decode_kw
 
         n = max(len(r.prompt_ids) for r in batch)
         ids = torch.full((len(batch), n), self.pad_id, dtype=torch.long)
@@ -472,7 +473,8 @@ class Engine:
             self.metrics.batches += 1
             self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in batch)
             with torch.no_grad():
-                self.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **cache_kw(self.model, cache), **gen)
+                self.model.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), **cache_kw(self.model, cache), **gen,
+                                    **decode_kw())
             for i in range(len(batch)):  # generate stops at max_new_tokens: rows never marked are at their limit
                 rows._finish(i, "length")
             rows._update_metrics(final=True)
