@@ -41,7 +41,7 @@ TF_NEWEST ?= 5.24.0
 COMPAT_TESTS := tests/test_propositions.py tests/cache/test_cache.py tests/policies/test_baselines.py \
 	tests/attention/test_split_attention.py tests/tiers/test_tiermap.py tests/test_compat.py \
 	tests/cache/test_device_limit.py tests/tiers/test_limit_t0.py tests/step/test_linear.py tests/cache/test_hybrid.py \
-	tests/attention/test_sinks.py tests/step/test_direct.py tests/step/test_rotary.py
+	tests/attention/test_sinks.py tests/step/test_direct.py tests/step/test_rotary.py tests/step/test_decode.py
 
 .venv-tf-%/.installed: pyproject.toml
 	$(PY) -m venv .venv-tf-$*

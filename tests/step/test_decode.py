@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import needs_embedded
 from transformers import DynamicCache, LogitsProcessorList
 
 import kvtier
@@ -114,3 +115,26 @@ def test_the_step_is_checked_once_per_model_and_again_after_its_modules_change(m
     prepare_step(model, "packed")  # replaces the linears, norms and MLPs the first step calls
     second = step_for(model)
     assert second is not first and len(checks) == 2 and step_for(model) is second
+
+
+@pytest.mark.slow
+@needs_embedded
+def test_embedded_model_generates_the_same_256_tokens_and_logits_through_the_direct_step(count_direct):
+    """Acceptance 1 on the embedded model in bf16 as kvtier loads it (the default step): 256 greedy steps of a GSM8K
+    chat prompt, full and tiered (reassignments every 64 steps, 3% evicted), generate's tokens and every logit bit
+    for bit through the direct step (the bound: 0)."""
+    from kvtier.models import EMBEDDED_NAME, chat_prompt
+
+    model, tok = kvtier.load_model(EMBEDDED_NAME, device="cpu", dtype="bf16")
+    q = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many " \
+        "clips did Natalia sell altogether in April and May? Think step by step."
+    ids = tok([chat_prompt(tok, q)], return_tensors="pt").input_ids
+    mask = torch.ones_like(ids)
+    tiered = {"hbm_ratio": 0.3, "evict_ratio": 0.03, "retier_interval": 64, "recent_window": 32}
+    for policy, params in (("full", {}), ("tiered", tiered)):
+        seq, logits = _gen(model, policy, params, ids, mask, steps=256, min_new_tokens=256)
+        count_direct.clear()
+        seq_d, logits_d = _gen(model, policy, params, ids, mask, steps=256, how=decode, min_new_tokens=256)
+        assert seq.shape[1] == ids.shape[1] + 256 and torch.equal(seq_d, seq), policy
+        assert torch.equal(logits_d, logits), policy
+        assert count_direct.count(torch.Size([1, 1])) == 255, policy
