@@ -19,7 +19,6 @@ with a streamer without it.)
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -29,8 +28,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .direct import DirectStep, direct_step
 
-log = logging.getLogger(__name__)
-
 # the inputs generate's loop passes a decode step that the direct step honours (others, when set, go to the forward)
 _TAKEN = {"input_ids", "cache", "past_key_values", "position_ids", "attention_mask", "cache_position", "use_cache",
           "return_dict", "logits_to_keep"}
@@ -38,9 +35,15 @@ _TAKEN = {"input_ids", "cache", "past_key_values", "position_ids", "attention_ma
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
+_SWITCH = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
+
+
 def enabled() -> bool:
-    """Whether kvtier's tools decode through the direct step (``KVTIER_DIRECT``: ``0``/``off``/``false`` turn it off)."""
-    return os.environ.get("KVTIER_DIRECT", "1").strip().lower() not in ("0", "off", "false", "no")
+    """Whether kvtier's tools decode through the direct step: ``KVTIER_DIRECT`` (unset: yes; ``0``/``off`` no)."""
+    v = os.environ.get("KVTIER_DIRECT", "1").strip().lower()
+    if v not in _SWITCH:
+        raise ValueError(f"KVTIER_DIRECT must be one of {sorted(_SWITCH)}, got {v!r}")
+    return _SWITCH[v]
 
 
 def decode_kw() -> dict:

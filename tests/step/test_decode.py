@@ -99,6 +99,9 @@ def test_what_the_direct_step_does_not_take_runs_generate_as_is(monkeypatch, cou
     a, b = (_gen(gemma, "full", {}, ids, mask, steps=8, how=h)[0] for h in (None, decode))
     assert torch.equal(a, b) and not count_direct and step_for(gemma) is None
     assert decode_kw() == {"custom_generate": decode}
+    monkeypatch.setenv("KVTIER_DIRECT", "maybe")
+    with pytest.raises(ValueError, match="KVTIER_DIRECT must be one of"):
+        decode_kw()
     monkeypatch.setenv("KVTIER_DIRECT", "0")
     assert decode_kw() == {}
     a, b = (_gen(model, "full", {}, ids, mask, how=h)[0] for h in (None, decode))
