@@ -132,8 +132,9 @@ def padded_greedy(model, cache, steps=128):
     return out.sequences, torch.stack(out.logits)
 
 
-def generate(model, policy, ids, new_tokens=64, attention_mask=None, **params):
-    """Greedy generation through a kvtier cache; returns (sequences, logits (steps, B, V), cache)."""
+def generate(model, policy, ids, new_tokens=64, attention_mask=None, custom_generate=None, **params):
+    """Greedy generation through a kvtier cache; returns (sequences, logits (steps, B, V), cache).
+    ``custom_generate``: generate's decoding loop (kvtier.step.decode.decode: decode steps through the direct step)."""
     cache = kvtier.make_cache(policy, model, **params)
     if attention_mask is None:
         attention_mask = torch.ones_like(ids)
@@ -141,6 +142,7 @@ def generate(model, policy, ids, new_tokens=64, attention_mask=None, **params):
         ids,
         attention_mask=attention_mask,
         **cache_kw(model, cache),
+        **({} if custom_generate is None else {"custom_generate": custom_generate}),
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,
@@ -149,6 +151,15 @@ def generate(model, policy, ids, new_tokens=64, attention_mask=None, **params):
         pad_token_id=0,
     )
     return out.sequences, torch.stack(out.logits), cache
+
+
+def model_and_loop(request, name: str):
+    """``name``: a model fixture, or one with ``+direct``: (the model, the ``custom_generate`` loop for
+    :func:`generate`: kvtier.step.decode.decode with ``+direct``, else None)."""
+    from kvtier.step.decode import decode
+
+    base, _, loop = name.partition("+")
+    return request.getfixturevalue(base), (decode if loop == "direct" else None)
 
 
 def decode_loop(model, cache, ids, steps, on_step=None, attention_mask=None):

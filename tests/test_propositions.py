@@ -4,24 +4,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import forced_logits, generate, prompt_ids
+from conftest import forced_logits, generate, model_and_loop, prompt_ids
 from transformers import DynamicCache
 
 import kvtier
 from kvtier.compat import cache_kw
 
 
-@pytest.mark.parametrize("model_name", ["qwen2", "llama", "qwen2_fast"])
+@pytest.mark.parametrize("model_name", ["qwen2", "llama", "qwen2_fast", "qwen2_fast+direct"])
 def test_proposition1_output_independent_of_hbm_ratio(model_name, request):
     """Proposition 1: with nothing evicted or quantized, where kept tokens live changes nothing (bit-exact with
     the ordered attention, which fixes the summation order); on the stock step and the prepared one
-    (``qwen2_fast``: packed linears, fused norms)."""
-    model = request.getfixturevalue(model_name)
+    (``qwen2_fast``: packed linears, fused norms; ``+direct``: each decode step through kvtier.step.direct)."""
+    model, loop = model_and_loop(request, model_name)
     ids = prompt_ids(length=16)
-    ref_seq, ref_logits, _ = generate(model, "full", ids, new_tokens=128, attention="ordered")
+    ref_seq, ref_logits, _ = generate(model, "full", ids, new_tokens=128, attention="ordered", custom_generate=loop)
     for hbm in (0.0, 0.1, 0.5, 1.0):
         seq, logits, cache = generate(
-            model, "tiered", ids, new_tokens=128, hbm_ratio=hbm, evict_ratio=0.0, quant_ratio=0.0,
+            model, "tiered", ids, new_tokens=128, custom_generate=loop, hbm_ratio=hbm, evict_ratio=0.0, quant_ratio=0.0,
             retier_interval=8, recent_window=8, sink_tokens=2, attention="ordered",
         )
         st = cache.stats()
@@ -33,13 +33,13 @@ def test_proposition1_output_independent_of_hbm_ratio(model_name, request):
         assert st["tokens"]["T3"] == 0
 
 
-@pytest.mark.parametrize("model_name", ["qwen2", "qwen2_fast"])
+@pytest.mark.parametrize("model_name", ["qwen2", "qwen2_fast", "qwen2_fast+direct"])
 def test_proposition1_with_eviction_only_evicted_set_matters(model_name, request):
     """At a fixed eviction ratio, the HBM ratio changes no logit: the output depends on T3 only."""
-    model = request.getfixturevalue(model_name)
+    model, loop = model_and_loop(request, model_name)
     ids = prompt_ids(length=16, seed=1)
     runs = [
-        generate(model, "tiered", ids, new_tokens=96, hbm_ratio=h, evict_ratio=0.25, retier_interval=8,
+        generate(model, "tiered", ids, new_tokens=96, custom_generate=loop, hbm_ratio=h, evict_ratio=0.25, retier_interval=8,
                  recent_window=8, sink_tokens=2, attention="ordered")
         for h in (0.0, 0.3, 0.75)
     ]

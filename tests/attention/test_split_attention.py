@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import decode_loop, generate, prompt_ids
+from conftest import decode_loop, generate, model_and_loop, prompt_ids
 
 import kvtier
 from kvtier.attention.merge import combine, mask_bias, merge, ordered, partial, weights
@@ -54,21 +54,23 @@ def test_partials_merge_to_the_softmax_over_the_union(seed):
 GRID = [(h, e, qr) for h in (0.0, 0.1, 0.5, 1.0) for e in (0.0, 0.25) for qr in (0.0, 0.1) if h + e + qr <= 1.0]
 
 
-@pytest.mark.parametrize("model_name", ["qwen2", "llama", "qwen2_fast"])
+@pytest.mark.parametrize("model_name", ["qwen2", "llama", "qwen2_fast", "qwen2_fast+direct"])
 def test_split_matches_ordered(model_name, request):
     """Acceptance 1: same tokens, logits within 1e-5, cumulative scores within 1e-6 (fp32, GQA, 128 tokens,
     a reassignment every 8 steps), across HBM / eviction / quantization ratios. Scores grow with the chain (up to
     ~3 here: a sink collects a share of every step), so their tolerance is relative above 1; the two paths' hidden
     states differ at float32 rounding (logits by ~3e-6 relative), and so do the queries that produce the weights:
     the measured worst is 1.0e-6, asserted with a factor 2 of margin."""
-    model = request.getfixturevalue(model_name)
+    model, loop = model_and_loop(request, model_name)  # +direct: decode steps through kvtier.step.direct
     ids = prompt_ids(batch=2, length=24, seed=21)
     worst = {"logits": 0.0, "scores": 0.0}
     for hbm, evict, quant in GRID:
         params = dict(hbm_ratio=hbm, evict_ratio=evict, quant_ratio=quant, retier_interval=8, recent_window=8,
                       sink_tokens=2, protect_prompt=False)
-        seq_o, log_o, c_o = generate(model, "tiered", ids, new_tokens=128, attention="ordered", **params)
-        seq_s, log_s, c_s = generate(model, "tiered", ids, new_tokens=128, attention="split", **params)
+        seq_o, log_o, c_o = generate(model, "tiered", ids, new_tokens=128, attention="ordered", custom_generate=loop,
+                                     **params)
+        seq_s, log_s, c_s = generate(model, "tiered", ids, new_tokens=128, attention="split", custom_generate=loop,
+                                     **params)
         what = f"hbm={hbm} evict={evict} quant={quant}"
         assert torch.equal(seq_s, seq_o), what
         assert torch.equal(c_s.tier_map(), c_o.tier_map()), what
