@@ -26,8 +26,8 @@ The engine's switch: ``EngineConfig.direct_step`` (``kvtier serve --no-direct-st
 A batch cache (one cache of B rows, as ``generate`` and ``kvtier bench`` hold them) takes the same step for its
 decode steps (:func:`batch_logits`; ``kvtier bench --no-direct`` keeps the model's forward): the embedded 0.5B
 model in bf16 on a 2-core EPYC (AVX512-BF16), ``benchmarks/module_overhead.py --layout batch``: 4.5 ms a step
-saved at 1 row (of 57), 3.1 at 32 (of 123), logits equal at every step. ``generate`` itself (and so ``kvtier
-eval``) still runs the model's forward: it calls nothing else, and kvtier does not patch it.
+saved at 1 row (of 57), 3.1 at 32 (of 123), logits equal at every step. ``generate`` takes it through
+:mod:`kvtier.step.decode` (its ``custom_generate`` hook; kvtier patches nothing), as ``kvtier eval`` calls it.
 """
 
 from __future__ import annotations
