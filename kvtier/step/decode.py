@@ -26,7 +26,7 @@ from torch import nn
 from transformers import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .direct import DirectStep, direct_step
+from .direct import DirectStep, direct_step, unsupported
 
 # the inputs generate's loop passes a decode step that the direct step honours (others, when set, go to the forward)
 _TAKEN = {"input_ids", "cache", "past_key_values", "position_ids", "attention_mask", "cache_position", "use_cache",
@@ -62,8 +62,6 @@ def _shape_key(model: nn.Module) -> tuple:
 
 def step_for(model: nn.Module) -> DirectStep | None:
     """``model``'s checked direct step, built once per model (again if its modules were replaced since), or None."""
-    from .direct import unsupported
-
     if unsupported(model) is not None:
         return None
     key = _shape_key(model)

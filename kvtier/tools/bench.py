@@ -20,10 +20,10 @@ from typing import Callable
 
 import torch
 
+from ..attention.fused_cpu import argmax_rows
 from ..compat import cache_kw
 from ..models import load_model, resolve_device
 from ..step import expert_weights, packed_count, step_weight_bytes
-from ..attention.fused_cpu import argmax_rows
 from ..step.cpu import cpu_isa
 from ..step.direct import batch_logits, direct_step
 from ..transfer import memcpy_peak_gbps, seam_for
