@@ -1,4 +1,4 @@
-"""The wall time of `kvtier eval` runs of one configuration made different ways (eval_linear_walltime.sh): per run
+"""The wall time of `kvtier eval` runs of one configuration made different ways (eval_switch_walltime.sh): per run
 its seconds from start to end, problems, accuracy and generated tokens per second, and how many completions equal
 the first run's.
 
