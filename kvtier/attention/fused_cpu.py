@@ -9,7 +9,9 @@ reference it is tested against (and the path on CUDA, and wherever the kernel ca
 Built on first use (~40 s) by torch's JIT extension loader (needs gcc and the ``ninja`` package, the
 ``kernels`` extra) with ``-O3 -march=native``, into ``$KVTIER_KERNEL_DIR`` (default ``~/.cache/kvtier/kernels``)
 under a name hashed from the source, the flags, torch's version and this CPU's ISA flags, so a build made on an
-AVX-512 machine is never loaded on an AVX2 one. A build lock left by a killed build is removed after 10 minutes
+AVX-512 machine is never loaded on an AVX2 one. ``$KVTIER_KERNEL_MARCH`` builds for another target than
+``native`` (e.g. ``x86-64-v3``: AVX2 and FMA without AVX-512, the code an AVX2-only CPU runs; ``make test-isa``
+tests that build on any x86 machine). A build lock left by a killed build is removed after 10 minutes
 (torch would wait on it forever). If the build fails, one warning is logged and ``available()`` is False.
 ``KVTIER_KERNEL=eager`` never builds it.
 """
@@ -21,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -34,7 +37,20 @@ log = logging.getLogger(__name__)
 
 
 _SRC = Path(__file__).parent / "csrc" / "fused_decode_cpu.cpp"
-_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp"]  # OpenMP: at::parallel_for is header code
+_MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+
+
+def march() -> str:
+    """The ``-march=`` target of kvtier's kernels: ``$KVTIER_KERNEL_MARCH``, default ``native``."""
+    v = os.environ.get("KVTIER_KERNEL_MARCH", "").strip() or "native"
+    if not _MARCH.fullmatch(v):
+        raise ValueError(f"KVTIER_KERNEL_MARCH must be a gcc -march= target such as native or x86-64-v3, got {v!r}")
+    return v
+
+
+def flags() -> list[str]:
+    """The compiler flags of a kernel build (OpenMP: at::parallel_for is header code)."""
+    return ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp"]
 
 
 def _cpu_signature() -> str:
@@ -46,7 +62,7 @@ def build_name(src: Path = _SRC, prefix: str = "kvtier_fused_cpu") -> str:
     """``<prefix>_<hash>``: the hash of ``src``, the flags, torch's version and this CPU's ISA flags (a build is
     never loaded by another source, torch or CPU kind)."""
     h = hashlib.sha256()
-    for part in (src.read_bytes(), " ".join(_FLAGS).encode(), torch.__version__.encode(), _cpu_signature().encode()):
+    for part in (src.read_bytes(), " ".join(flags()).encode(), torch.__version__.encode(), _cpu_signature().encode()):
         h.update(part)
         h.update(b"\0")
     return f"{prefix}_{h.hexdigest()[:16]}"
@@ -71,7 +87,7 @@ def build(name: str, src: Path, directory: Path):
     the build is spelled out: ``benchmarks/kernel_ab.py`` builds other revisions of the kernel through it)."""
     from torch.utils.cpp_extension import load
 
-    return load(name=name, sources=[str(src)], extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"],
+    return load(name=name, sources=[str(src)], extra_cflags=flags(), extra_ldflags=["-fopenmp"],
                 build_directory=str(directory), verbose=False)
 
 
@@ -79,8 +95,8 @@ def build(name: str, src: Path, directory: Path):
 def _module():
     if os.environ.get("KVTIER_KERNEL", "").strip().lower() == "eager":
         return None
+    name = build_name()  # outside the try: a bad KVTIER_KERNEL_MARCH is the caller's error, not a failed build
     try:
-        name = build_name()
         return build(name, _SRC, build_dir(name))
     except Exception as exc:  # a missing compiler or ninja: the eager path still works, only slower
         log.warning("kvtier: the fused CPU decode kernel could not be built (%s: %s); using the eager path "

@@ -40,16 +40,43 @@ def _regions(B, H, D, sizes, dtype, g):
     return out, n_pos
 
 
+# the ISA flags a portable -march target implies (KVTIER_KERNEL_MARCH; make test-isa builds x86-64-v3)
+_PORTABLE = {"x86-64": set(), "x86-64-v2": set(), "x86-64-v3": set(), "x86-64-v4": {"avx512f"}}
+
+
+def _target_flags() -> set[str]:
+    """The ISA flags the kernels are built for: this CPU's under -march=native, else the target's."""
+    m = fused_cpu.march()
+    if m == "native":
+        return set(fused_cpu._cpu_signature().split())
+    if m not in _PORTABLE:
+        pytest.skip(f"KVTIER_KERNEL_MARCH={m}: the ISA flags it implies are not known to this test")
+    return _PORTABLE[m]
+
+
+def test_the_kernel_target_is_checked_and_names_the_build(monkeypatch):
+    monkeypatch.delenv("KVTIER_KERNEL_MARCH", raising=False)
+    assert fused_cpu.march() == "native" and "-march=native" in fused_cpu.flags()
+    native = fused_cpu.build_name()
+    monkeypatch.setenv("KVTIER_KERNEL_MARCH", "x86-64-v3")
+    assert "-march=x86-64-v3" in fused_cpu.flags() and fused_cpu.build_name() != native
+    for bad in ("native -O0", "-march=native", "x86;ls"):
+        monkeypatch.setenv("KVTIER_KERNEL_MARCH", bad)
+        with pytest.raises(ValueError, match="KVTIER_KERNEL_MARCH must be a gcc -march= target"):
+            fused_cpu.build_name()
+
+
 def test_bf16_dots_are_built_where_the_cpu_has_them():
-    """-march=native on an AVX512-BF16 CPU must give the VDPBF16PS path (it is what bf16 models run here)."""
-    flags = fused_cpu._cpu_signature().split()
+    """-march=native on an AVX512-BF16 CPU must give the VDPBF16PS path (it is what bf16 models run here); a
+    build for an older target (x86-64-v3) must not."""
+    flags = _target_flags()
     assert fused_cpu.bf16_dots() == ("avx512_bf16" in flags and "avx512f" in flags)
 
 
 def test_amx_dots_are_built_where_the_cpu_has_them():
     """-march=native on a CPU with AMX-BF16 must give the AMX logits (bf16 models' path there); use_amx switches
     them off and back on."""
-    flags = fused_cpu._cpu_signature().split()
+    flags = _target_flags()
     has = fused_cpu.bf16_dots() and "amx_bf16" in flags and "amx_tile" in flags
     assert fused_cpu.amx_dots() == has
     with fused_cpu.use_amx(False):
