@@ -7,6 +7,7 @@ from .attention.registration import prepare_model
 from .cache import KVTierCache
 from .config import TierConfig
 from .policies import POLICIES, get_policy
+from .step.decode import decode
 
 __version__ = "0.1.0"
 _moved.install()
@@ -58,4 +59,4 @@ def load_model(*args, **kwargs):
     return _load(*args, **kwargs)
 
 
-__all__ = ["POLICIES", "KVTierCache", "TierConfig", "get_policy", "load_model", "make_cache", "prepare_model"]
+__all__ = ["POLICIES", "KVTierCache", "TierConfig", "decode", "get_policy", "load_model", "make_cache", "prepare_model"]

@@ -49,7 +49,8 @@ def test_public_surface():
     import kvtier
     import kvtier.eval
 
-    for name in ("make_cache", "load_model", "POLICIES", "get_policy", "prepare_model", "KVTierCache", "TierConfig"):
+    for name in ("make_cache", "load_model", "POLICIES", "get_policy", "prepare_model", "KVTierCache", "TierConfig",
+                 "decode"):
         assert hasattr(kvtier, name) and name in kvtier.__all__
     assert callable(kvtier.eval.grade) and callable(kvtier.eval.extract_boxed)
     from kvtier.attention import prepare_model  # the old kvtier.attention module's names, from the package now
@@ -83,3 +84,5 @@ def test_the_readme_python_example_runs():
         code = code.replace("cache=cache", "past_key_values=cache")  # transformers < 5.24 (test-compat's oldest)
     exec(compile(code, "README.md", "exec"), ns)
     assert sum(ns["cache"].stats()["tokens"].values()) > 0 and ns["tiers"].shape[0] == 1
+    # custom_generate=kvtier.decode built the model's direct step, and it passed its check against the forward
+    assert ns["model"].__dict__["_kvtier_direct"][1] is not None

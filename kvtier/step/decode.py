@@ -9,7 +9,7 @@ finished rows and outputs), on a view of the model whose forward takes a kvtier 
 steps through the model's checked :class:`~kvtier.step.direct.DirectStep`; the prompt, and any call the direct step
 does not take, go to the model's forward. The logits are the model's bit for bit, so the tokens are generate's.
 
-    out = model.generate(**enc, past_key_values=cache, custom_generate=kvtier.step.decode.decode)
+    out = model.generate(**enc, cache=cache, custom_generate=kvtier.decode)   # kvtier.decode is this module's decode
 
 kvtier's tools pass it (``kvtier eval/sweep/demo/generate``, the static server); ``KVTIER_DIRECT=0`` in the
 environment turns it off (generate's loop on the model's forward, for debugging). Nothing in the model or in
