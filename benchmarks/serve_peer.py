@@ -1,9 +1,10 @@
 """Serving side by side, one server at a time: vLLM's CPU build and ``kvtier serve`` on the same model, prompts and load (#28).
 
 Closed-loop streaming clients (greedy, ``max_tokens``, ``stream_options.include_usage``) send GSM8K test questions
-as chat messages; per system and number of clients: tokens/s, time to first token and inter-token latency
-p50/p99, and, for kvtier, the server's own scheduler counters (``/metrics``), for vLLM its preemptions. Each row is
-written to ``rows.jsonl`` as it completes (a rerun skips the rows already there) and ``table.md`` is rebuilt.
+as chat messages (``--prompt-tokens N``: each after its own worked training examples, N tokens long); per system and
+number of clients: tokens/s, time to first token and inter-token latency p50/p99, and, for kvtier, the server's own
+scheduler counters (``/metrics``), for vLLM its preemptions. Each row is written to ``rows.jsonl`` as it completes (a
+rerun skips the rows already there) and ``table.md`` is rebuilt.
 
     python benchmarks/serve_peer.py --out benchmarks/results/serve_peer_DATE_CPU \
         --vllm-python /path/to/vllm-venv/bin/python --clients 1,8,32 --systems vllm,kvtier-full,kvtier-tiered
@@ -53,6 +54,40 @@ def cpu_info() -> dict:
 def gsm8k_questions(n: int, data: Path) -> list[str]:
     rows = [json.loads(line) for line in (data / "gsm8k" / "test.jsonl").read_text().splitlines()[:n]]
     return [r["question"] + " Please reason step by step." for r in rows]
+
+
+def long_questions(questions: list[str], data: Path, tokens: int, model_dir: str) -> tuple[list[str], list[int]]:
+    """Each question after its own worked GSM8K training examples (no two prompts share a prefix, so vLLM's prefix
+    cache saves nothing), as many as keep the chat prompt within ``tokens`` tokens of the model's tokenizer; and
+    each prompt's length in tokens."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    train = [json.loads(line) for line in (data / "gsm8k" / "train.jsonl").read_text().splitlines()]
+
+    def length(text: str) -> int:
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+        return len(tok(chat).input_ids)
+
+    out, lengths, i = [], [], 0
+    for q in questions:
+        head, tail = "Worked examples:\n\n", "Now solve this one.\n" + q
+        used = length(head + tail)
+        parts: list[str] = []
+        while True:
+            r = train[i % len(train)]
+            ex = f"Question: {r['question']}\nAnswer: {r['answer']}\n\n"
+            n = len(tok(ex).input_ids)
+            if used + n > tokens:
+                break
+            parts.append(ex)
+            used += n
+            i += 1
+        while parts and length(head + "".join(parts) + tail) > tokens:  # token merges at the joins
+            parts.pop()
+        out.append(head + "".join(parts) + tail)
+        lengths.append(length(out[-1]))
+    return out, lengths
 
 
 async def one(client, url: str, model: str, question: str, max_tokens: int, extra: dict, st: dict) -> None:
@@ -209,6 +244,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--data", type=Path, default=REPO.parent / "shared" / "data")
     ap.add_argument("--label", default="", help="a tag stored with each row (e.g. the experiment)")
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="long prompts: each question after its own worked "
+                    "GSM8K training examples, up to this many tokens (with the chat template; 0: the question alone)")
     ap.add_argument("--ignore-eos", action="store_true", help="every request decodes max_tokens tokens (the body's "
                     "ignore_eos, which both servers honour): a fixed output length for memory-pressure runs")
     ap.add_argument("--static-max-batch", type=int, default=0, help="kvtier --scheduler static: --max-batch (what "
@@ -220,11 +257,18 @@ def main() -> None:
     have = {(r["system"], r["clients"], r.get("label", "")) for r in done}
     qs = gsm8k_questions(256, args.data)
     levels = [int(x) for x in args.clients.split(",")]
+    lengths = None
+    if args.prompt_tokens:
+        if args.prompt_tokens + args.max_tokens > args.max_model_len:
+            ap.error(f"--prompt-tokens {args.prompt_tokens} + --max-tokens {args.max_tokens} must be within "
+                     f"--max-model-len {args.max_model_len}")
+        qs, lengths = long_questions(qs[:max(levels) * args.per_client], args.data, args.prompt_tokens, args.model_dir)
     meta = {"cpu": cpu_info(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv), "max_tokens": args.max_tokens, "per_client": args.per_client,
             "ignore_eos": args.ignore_eos, "device_kv_budget": args.device_kv_budget, "vllm_blocks": args.vllm_blocks,
             "vllm_block_size": args.vllm_block_size or None, "prefill_tokens": args.prefill_tokens or None,
-            "KVTIER_LINEAR": os.environ.get("KVTIER_LINEAR")}
+            "KVTIER_LINEAR": os.environ.get("KVTIER_LINEAR"), "prompt_tokens": args.prompt_tokens or None,
+            "prompt_lengths": None if lengths is None else [min(lengths), max(lengths)]}
     (args.out / f"meta{'_' + re.sub(r'[^A-Za-z0-9_.-]', '_', args.label) if args.label else ''}.json").write_text(
         json.dumps(meta, indent=1))
     for system in args.systems.split(","):
