@@ -216,21 +216,21 @@ def _agree(model: nn.Module, step: DirectStep) -> str | None:
     """Run a packed prefill of two prompts and one decode step through the model's forward and through ``step``, on
     fresh ``full`` caches each, then two decode steps of a two-row batch cache both ways; None when every logit is
     equal, else what differed."""
-    import kvtier
     from ..compat import cache_kw
+    from ..make import make_cache
 
     vocab = model.config.vocab_size
     prompts = [[(7 * j + 3) % vocab for j in range(9)], [(11 * j + 5) % vocab for j in range(5)]]
     runs = []
     for how in (None, step):
-        caches = [kvtier.make_cache("full", model) for _ in prompts]
+        caches = [make_cache("full", model) for _ in prompts]
         seqs, out = prompts, []
         for _ in range(2):  # the packed prefill, then one decode step
             out.append(rows_logits(model, how, caches, seqs))
             seqs = [[int(t)] for t in out[-1][0].float().argmax(dim=-1)]
         # a batch cache of two 5-token prompts, prefilled by the model, then two decode steps
         dev = next(model.parameters()).device
-        cache = kvtier.make_cache("full", model)
+        cache = make_cache("full", model)
         with torch.no_grad():
             lg = model(input_ids=torch.tensor([p[:5] for p in prompts], device=dev), **cache_kw(model, cache),
                        use_cache=True, logits_to_keep=1).logits
