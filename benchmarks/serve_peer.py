@@ -262,7 +262,12 @@ def main() -> None:
         if args.prompt_tokens + args.max_tokens > args.max_model_len:
             ap.error(f"--prompt-tokens {args.prompt_tokens} + --max-tokens {args.max_tokens} must be within "
                      f"--max-model-len {args.max_model_len}")
-        qs, lengths = long_questions(qs[:max(levels) * args.per_client], args.data, args.prompt_tokens, args.model_dir)
+        # one more than the load sends: the warm-up's own (the same prompt again would be a prefix-cache hit for vLLM)
+        qs, lengths = long_questions(qs[:max(levels) * args.per_client + 1], args.data, args.prompt_tokens,
+                                     args.model_dir)
+        warm, qs, lengths = qs[-1:], qs[:-1], lengths[:-1]
+    else:
+        warm = qs[:4]
     meta = {"cpu": cpu_info(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv), "max_tokens": args.max_tokens, "per_client": args.per_client,
             "ignore_eos": args.ignore_eos, "device_kv_budget": args.device_kv_budget, "vllm_blocks": args.vllm_blocks,
@@ -281,7 +286,7 @@ def main() -> None:
             proc, model, extra = start(system, args, port, log)
             try:
                 wait_ready(url, proc, 900)
-                asyncio.run(load(url, model, qs[:4], 1, 1, min(16, args.max_tokens), extra))  # warm-up, untimed
+                asyncio.run(load(url, model, warm, 1, 1, min(16, args.max_tokens), extra))  # warm-up, untimed
                 for c in todo:
                     before = scrape(url)
                     peak_rows = [0]
