@@ -33,7 +33,8 @@ from ..attention.fused_cpu import argmax_rows
 from ..cache.base import model_shape
 from ..cache.state import full_columns, tail_columns
 from ..config import TierConfig
-from ..step.direct import direct_step, rows_logits
+from ..step.decode import step_for
+from ..step.direct import rows_logits
 from ..tiers.layout import grown_capacity
 from .engine import Engine, GenRequest, NeverFits, _safe_sink
 from .scheduler import Decision, RowNeed, WaitNeed, admit_by_count, decide
@@ -89,7 +90,7 @@ class ContinuousEngine(Engine):
 
     def _prepared(self) -> None:
         if self.cfg.direct_step:
-            self._direct = direct_step(self.model)
+            self._direct = step_for(self.model)
 
     @property
     def running(self) -> int:

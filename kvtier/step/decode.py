@@ -61,13 +61,13 @@ def _shape_key(model: nn.Module) -> tuple:
 
 
 def step_for(model: nn.Module) -> DirectStep | None:
-    """``model``'s checked direct step, built once per model (again if its modules were replaced since), or None."""
-    if unsupported(model) is not None:
-        return None
-    key = _shape_key(model)
+    """``model``'s checked direct step, built once per model (again if its modules were replaced since), or None
+    (why, logged once per model). The one owner of the check: generate's loop, ``kvtier bench`` and the server."""
+    why = unsupported(model)
+    key = _shape_key(model) if why is None else why
     held = model.__dict__.get("_kvtier_direct")
     if held is None or held[0] != key:
-        held = (key, direct_step(model))
+        held = (key, direct_step(model, why))
         model.__dict__["_kvtier_direct"] = held
     return held[1]
 

@@ -245,9 +245,11 @@ def _agree(model: nn.Module, step: DirectStep) -> str | None:
     return None
 
 
-def direct_step(model: nn.Module) -> DirectStep | None:
-    """The model's :class:`DirectStep` once checked against its own forward (see the module doc), or None (logged)."""
-    why = unsupported(model)
+def direct_step(model: nn.Module, why: str | None = ...) -> DirectStep | None:
+    """The model's :class:`DirectStep` once checked against its own forward (see the module doc), or None (logged).
+    ``why``: :func:`unsupported`'s answer when the caller has it already (else it is asked here)."""
+    if why is ...:
+        why = unsupported(model)
     if why is None:
         try:
             step = DirectStep(model)

@@ -25,7 +25,8 @@ from ..compat import cache_kw
 from ..models import load_model, resolve_device
 from ..step import expert_weights, packed_count, step_weight_bytes
 from ..step.cpu import cpu_isa
-from ..step.direct import batch_logits, direct_step
+from ..step.decode import step_for
+from ..step.direct import batch_logits
 from ..transfer import memcpy_peak_gbps, seam_for
 
 log = logging.getLogger(__name__)
@@ -299,7 +300,7 @@ def _bench_model(cfg: BenchConfig, model, linear: str, device: torch.device, war
 
     packed = packed_count(model)
     # the direct step, checked against the model's forward on the model as loaded (None where it does not take it)
-    direct = direct_step(model) if cfg.direct and linear != "eager" else None
+    direct = step_for(model) if cfg.direct and linear != "eager" else None
     tag = f"linear {linear}: " if len(cfg.linears) > 1 else ""
     vocab = min(model.config.vocab_size, 256)
     g = torch.Generator().manual_seed(cfg.seed)

@@ -112,7 +112,7 @@ def test_the_step_is_checked_once_per_model_and_again_after_its_modules_change(m
     model = random_model("tiny-qwen2", dtype=torch.bfloat16)
     checks = []
     real = decode_mod.direct_step
-    monkeypatch.setattr(decode_mod, "direct_step", lambda m: checks.append(1) or real(m))
+    monkeypatch.setattr(decode_mod, "direct_step", lambda m, *why: checks.append(1) or real(m, *why))
     first = step_for(model)
     assert step_for(model) is first and len(checks) == 1
     prepare_step(model, "packed")  # replaces the linears, norms and MLPs the first step calls
