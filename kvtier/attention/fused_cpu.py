@@ -9,7 +9,8 @@ reference it is tested against (and the path on CUDA, and wherever the kernel ca
 Built on first use (~40 s) by torch's JIT extension loader (needs gcc and the ``ninja`` package, the
 ``kernels`` extra) with ``-O3 -march=native``, into ``$KVTIER_KERNEL_DIR`` (default ``~/.cache/kvtier/kernels``)
 under a name hashed from the source, the flags, torch's version and this CPU's ISA flags, so a build made on an
-AVX-512 machine is never loaded on an AVX2 one. ``$KVTIER_KERNEL_MARCH`` builds for another target than
+AVX-512 machine is never loaded on an AVX2 one; it compiles that directory's own copy of the source, so another
+clone or checkout of the same source loads the build instead of compiling again. ``$KVTIER_KERNEL_MARCH`` builds for another target than
 ``native`` (e.g. ``x86-64-v3``: AVX2 and FMA without AVX-512, the code an AVX2-only CPU runs; ``make test-isa``
 tests that build on any x86 machine). A build lock left by a killed build is removed after 10 minutes
 (torch would wait on it forever). If the build fails, one warning is logged and ``available()`` is False.
@@ -84,11 +85,31 @@ _STALE_LOCK_S = 600
 
 def build(name: str, src: Path, directory: Path):
     """Compile ``src`` as the extension ``name`` into ``directory`` with kvtier's flags and load it (the one place
-    the build is spelled out: ``benchmarks/kernel_ab.py`` builds other revisions of the kernel through it)."""
+    the build is spelled out: ``benchmarks/kernel_ab.py`` builds other revisions of the kernel through it).
+
+    The source is compiled from the build directory's own copy: ninja rebuilds when a source's path or mtime moves,
+    and every clone or checkout of kvtier would otherwise pay the build again for the same source (the directory is
+    named by the source's hash, so its copy never changes). A build that compiles says so before it starts: it is
+    the one pause of a first run that no progress line explains (a warning, so that the command line shows it)."""
     from torch.utils.cpp_extension import load
 
-    return load(name=name, sources=[str(src)], extra_cflags=flags(), extra_ldflags=["-fopenmp"],
-                build_directory=str(directory), verbose=False)
+    local = directory / src.name
+    text = src.read_bytes()
+    if not local.is_file() or local.read_bytes() != text:
+        tmp = directory / f".{src.name}.{os.getpid()}"
+        tmp.write_bytes(text)
+        os.replace(tmp, local)  # atomic: a concurrent build reads the whole file or none
+    so = directory / f"{name}.so"
+    fresh = not so.is_file() or so.stat().st_mtime < local.stat().st_mtime
+    if fresh:
+        log.warning("kvtier: compiling the CPU kernels of %s (once per machine, CPU kind and torch; about a minute)",
+                    src.name)
+    t = time.perf_counter()
+    mod = load(name=name, sources=[str(local)], extra_cflags=flags(), extra_ldflags=["-fopenmp"],
+               build_directory=str(directory), verbose=False)
+    if fresh:
+        log.info("kvtier: %s built in %.0f s into %s", src.name, time.perf_counter() - t, directory)
+    return mod
 
 
 @lru_cache(maxsize=1)

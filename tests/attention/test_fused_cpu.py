@@ -66,6 +66,33 @@ def test_the_kernel_target_is_checked_and_names_the_build(monkeypatch):
             fused_cpu.build_name()
 
 
+_TINY = """#include <torch/extension.h>
+torch::Tensor twice(torch::Tensor x) { return x * 2; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
+"""
+
+
+def test_a_build_is_compiled_once_and_reused_from_another_checkout(tmp_path, caplog):
+    """The build compiles its directory's copy of the source: the same source from another path (another clone)
+    loads the build without compiling again; only a compile is announced."""
+    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "build"
+    for d in (a, b, out):
+        d.mkdir()
+    (a / "tiny.cpp").write_text(_TINY)
+    name = f"kvtier_test_tiny_{abs(hash(str(tmp_path))) % 10**8}"
+    with caplog.at_level("WARNING", logger="kvtier.attention.fused_cpu"):
+        mod = fused_cpu.build(name, a / "tiny.cpp", out)
+    assert torch.equal(mod.twice(torch.ones(3)), torch.full((3,), 2.0))
+    assert any("compiling the CPU kernels of tiny.cpp" in r.getMessage() for r in caplog.records)
+    so = out / f"{name}.so"
+    built = so.stat().st_mtime_ns
+    (b / "tiny.cpp").write_text(_TINY)  # another checkout: a new path and a newer mtime, the same text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="kvtier.attention.fused_cpu"):
+        fused_cpu.build(name, b / "tiny.cpp", out)
+    assert not caplog.records and so.stat().st_mtime_ns == built
+
+
 def test_bf16_dots_are_built_where_the_cpu_has_them():
     """-march=native on an AVX512-BF16 CPU must give the VDPBF16PS path (it is what bf16 models run here); a
     build for an older target (x86-64-v3) must not."""
