@@ -10,10 +10,10 @@ Built on first use (~40 s) by torch's JIT extension loader (needs gcc and the ``
 ``kernels`` extra) with ``-O3 -march=native``, into ``$KVTIER_KERNEL_DIR`` (default ``~/.cache/kvtier/kernels``)
 under a name hashed from the source, the flags, torch's version and this CPU's ISA flags, so a build made on an
 AVX-512 machine is never loaded on an AVX2 one; it compiles that directory's own copy of the source, so another
-clone or checkout of the same source loads the build instead of compiling again. ``$KVTIER_KERNEL_MARCH`` builds for another target than
-``native`` (e.g. ``x86-64-v3``: AVX2 and FMA without AVX-512, the code an AVX2-only CPU runs; ``make test-isa``
-tests that build on any x86 machine). A build lock left by a killed build is removed after 10 minutes
-(torch would wait on it forever). If the build fails, one warning is logged and ``available()`` is False.
+clone or checkout of the same source loads the build instead of compiling again. ``$KVTIER_KERNEL_MARCH`` builds
+for another target than ``native`` (e.g. ``x86-64-v3``: AVX2 and FMA without AVX-512, the code an AVX2-only CPU
+runs; ``make test-isa`` tests that build on any x86 machine). A build lock left by a killed build is removed after
+10 minutes (torch would wait on it forever). If the build fails, one warning is logged and ``available()`` is False.
 ``KVTIER_KERNEL=eager`` never builds it.
 """
 

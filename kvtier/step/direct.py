@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from types import EllipsisType
 
 import torch
 from torch import nn
@@ -245,7 +246,7 @@ def _agree(model: nn.Module, step: DirectStep) -> str | None:
     return None
 
 
-def direct_step(model: nn.Module, why: str | None = ...) -> DirectStep | None:
+def direct_step(model: nn.Module, why: str | None | EllipsisType = ...) -> DirectStep | None:
     """The model's :class:`DirectStep` once checked against its own forward (see the module doc), or None (logged).
     ``why``: :func:`unsupported`'s answer when the caller has it already (else it is asked here)."""
     if why is ...:
