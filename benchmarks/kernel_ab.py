@@ -57,7 +57,8 @@ def main() -> None:
         base_src.write_bytes(subprocess.run(["git", "show", f"{args.base}:{rel}"], check=True,
                                             capture_output=True).stdout)
         mods = {"base": build("base", base_src, root), "new": build("new", fused_cpu._SRC, root)}
-        print(f"base {args.base} vs working tree, flags {' '.join(fused_cpu.flags())}, threads {torch.get_num_threads()}")
+        print(f"base {args.base} vs working tree, flags {' '.join(fused_cpu.flags())}, "
+              f"threads {torch.get_num_threads()}")
         shapes = SHAPES if not args.shapes else [(int(b), int(t), dt) for b, t in
                                                   (x.split("x") for x in args.shapes.split(","))
                                                   for dt in (torch.float32, torch.bfloat16)]

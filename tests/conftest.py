@@ -142,7 +142,7 @@ def generate(model, policy, ids, new_tokens=64, attention_mask=None, custom_gene
         ids,
         attention_mask=attention_mask,
         **cache_kw(model, cache),
-        **({} if custom_generate is None else {"custom_generate": custom_generate}),
+        custom_generate=custom_generate,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
         do_sample=False,

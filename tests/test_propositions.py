@@ -21,8 +21,8 @@ def test_proposition1_output_independent_of_hbm_ratio(model_name, request):
     ref_seq, ref_logits, _ = generate(model, "full", ids, new_tokens=128, attention="ordered", custom_generate=loop)
     for hbm in (0.0, 0.1, 0.5, 1.0):
         seq, logits, cache = generate(
-            model, "tiered", ids, new_tokens=128, custom_generate=loop, hbm_ratio=hbm, evict_ratio=0.0, quant_ratio=0.0,
-            retier_interval=8, recent_window=8, sink_tokens=2, attention="ordered",
+            model, "tiered", ids, new_tokens=128, custom_generate=loop, hbm_ratio=hbm, evict_ratio=0.0,
+            quant_ratio=0.0, retier_interval=8, recent_window=8, sink_tokens=2, attention="ordered",
         )
         st = cache.stats()
         assert st["retiers"] >= 15
@@ -39,8 +39,8 @@ def test_proposition1_with_eviction_only_evicted_set_matters(model_name, request
     model, loop = model_and_loop(request, model_name)
     ids = prompt_ids(length=16, seed=1)
     runs = [
-        generate(model, "tiered", ids, new_tokens=96, custom_generate=loop, hbm_ratio=h, evict_ratio=0.25, retier_interval=8,
-                 recent_window=8, sink_tokens=2, attention="ordered")
+        generate(model, "tiered", ids, new_tokens=96, custom_generate=loop, hbm_ratio=h, evict_ratio=0.25,
+                 retier_interval=8, recent_window=8, sink_tokens=2, attention="ordered")
         for h in (0.0, 0.3, 0.75)
     ]
     ref = runs[0][1]
