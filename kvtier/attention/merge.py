@@ -190,6 +190,21 @@ def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                                           enable_gqa=True)
 
 
+def chunk_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """A chunk of a prompt attending the prompt so far: the ``q`` queries sit at the last ``q`` of the ``kv`` key
+    positions, each attending its own and earlier ones (SDPA's ``is_causal`` would align them to the first keys).
+    query (B, Hq, q, D), key/value (B, H, kv, D) -> (B, Hq, q, D); with ``sinks``: :func:`dense`."""
+    q, kv = query.shape[2], key.shape[2]
+    if sinks is not None:
+        return dense(query, key, value, None, scaling, sinks)
+    if q == kv:
+        return F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+    rows = torch.arange(kv - q, kv, device=key.device).view(-1, 1)
+    mask = torch.arange(kv, device=key.device).view(1, -1) <= rows  # (q, kv) True: attend
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=True)
+
+
 def causal_weight_sums(query: torch.Tensor, k: torch.Tensor, key_valid: torch.Tensor, query_valid: torch.Tensor,
                        scaling: float, chunk: int = 256) -> torch.Tensor:
     """The prompt's causal attention weights summed over every real query and every query head of a kv group:
@@ -216,5 +231,5 @@ def causal_weight_sums(query: torch.Tensor, k: torch.Tensor, key_valid: torch.Te
     return acc
 
 
-__all__ = ["EMPTY", "Partial", "add_weights", "causal_weight_sums", "dense", "mask_bias", "combine", "merge", "ordered",
+__all__ = ["EMPTY", "Partial", "add_weights", "causal_weight_sums", "chunk_attention", "dense", "mask_bias", "combine", "merge", "ordered",
            "partial", "prompt_attention", "sink_partial", "weights"]

@@ -8,13 +8,19 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..compat import hand_over
 
 
-def check_update(batch: int | None, n_total: int, keys: torch.Tensor) -> None:
-    """Refuse a different batch or a second prompt: a kvtier cache holds one generation (``cache.reset()``)."""
+def check_update(batch: int | None, n_total: int, keys: torch.Tensor, prompt_end: int | None = None) -> None:
+    """Refuse a different batch or a second prompt: a kvtier cache holds one generation (``cache.reset()``).
+    ``prompt_end``: the length of a prompt announced by ``open_prompt`` (its chunks may follow one another)."""
     if batch is not None and keys.shape[0] != batch:
         raise ValueError(
             f"this kvtier cache holds a batch of {batch}, got {keys.shape[0]} rows; "
             "call cache.reset() or make a new cache with kvtier.make_cache() for a new batch"
         )
+    if prompt_end is not None and n_total < prompt_end:
+        if n_total + keys.shape[2] > prompt_end:
+            raise ValueError(f"a prompt chunk of {keys.shape[2]} tokens after {n_total} overruns the {prompt_end}-token "
+                             "prompt announced by open_prompt()")
+        return
     if n_total > 0 and keys.shape[2] > 1:
         raise ValueError(
             "a kvtier cache holds one generation: it got a new prompt after "

@@ -15,12 +15,17 @@ from __future__ import annotations
 import torch
 
 from ..attention import tiered
-from ..attention.merge import prompt_attention
+from ..attention.merge import chunk_attention, prompt_attention
 from ..tiers.layout import TAIL
 from ..tiers.planner import T0, T1, T2
 from ..tiers.quant import dequantize, quantize
 from .base import KVTierLayer
 from .state import _WORK_ALIGN, TierState, _roundup, tail_columns, tail_granule
+
+
+def _whole(chunk: tuple[int, int, bool]) -> bool:
+    """A prompt that came in one update (``TierState.chunk`` of its first and last piece)."""
+    return chunk[0] == 0 and chunk[2]
 
 
 class TieredLayer(KVTierLayer):
@@ -71,14 +76,14 @@ class TieredLayer(KVTierLayer):
             st.begin_update(key_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        prefill = key_states.shape[2] == st.n_total
-        if not prefill:
+        ch = st.chunk
+        if ch is None or not _whole(ch):  # a decode step, or a piece of a chunked prompt (into the tail)
             if self.version != st.version:
                 self._migrate()
             self._append(key_states, value_states)
         elif not st.retier_enabled:
             self._append(key_states, value_states)
-        # else: a prompt is stored after its attention, straight into the tiers of the prefill placement
+        # else: a whole prompt is stored after its attention, straight into the tiers of the prefill placement
         self.expose(kwargs, key_states)
         return key_states, value_states
 
@@ -155,9 +160,11 @@ class TieredLayer(KVTierLayer):
             new[:, :, : old.shape[2]] = old
             setattr(self, name, new)
 
-    def _migrate(self, tail: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def _migrate(self, tail: tuple[torch.Tensor, torch.Tensor] | None = None, fresh_tail: bool = False) -> None:
         """Take this layer from its placement to the current layout; only tokens whose tier changed are moved
-        (and only they cross host<->device). ``tail``: where the tail tokens are (the prompt's K/V at prefill)."""
+        (and only they cross host<->device). ``tail``: where the tail tokens are (the prompt's K/V at prefill).
+        ``fresh_tail``: the tail's columns all moved (a chunked prompt placed): it starts again empty, as after a
+        whole prefill."""
         st, eng = self.state, self.state.engine
         lay = st.layout
         tail = tail or (self.tail_k, self.tail_v)
@@ -166,9 +173,12 @@ class TieredLayer(KVTierLayer):
         got = {x: [(mv, self._fetch(mv, tail)) for mv in lay.moves.get(x, [])] for x in (T0, T1, T2)}
         # 2. resize buffers whose tier outgrew them, or that a device limit shrinks (the tail's tokens were read in
         # 1: its columns start empty; a full cache turned tiered under memory pressure gives back its long tail)
-        cap_t = min(self.tail_k.shape[2], tail_columns(st.cfg.retier_interval))
-        if lay.tiers[T0].cap > self.cap0 or (st.t0_limit is not None and (lay.tiers[T0].cap < self.cap0
-                                                                           or cap_t < self.tail_k.shape[2])):
+        fresh_tail = fresh_tail or (tail is None and st.version == st.placed_version)
+        cap_t = 0 if fresh_tail else min(self.tail_k.shape[2], tail_columns(st.cfg.retier_interval))
+        if fresh_tail:
+            self._alloc_device(lay.tiers[T0].cap, 0, keep_tail=0)
+        elif lay.tiers[T0].cap > self.cap0 or (st.t0_limit is not None and (lay.tiers[T0].cap < self.cap0
+                                                                             or cap_t < self.tail_k.shape[2])):
             self._alloc_device(lay.tiers[T0].cap, cap_t if st.t0_limit is not None else self.tail_k.shape[2],
                                keep_tail=0)
         self._resized(("k1", "v1"), lay.tiers[T1].cap, host=True)
@@ -252,18 +262,32 @@ class TieredLayer(KVTierLayer):
         eager math)."""
         st = self.state
         B, Hq, q, D = query.shape
-        # a prefill brings the cache's first tokens (update() has counted them): a one-token prompt is one too
-        prefill = q == st.n_total
-        if self.layer_idx == 0:
-            st.n_heads_q = Hq
-            if prefill:
-                st.note_validity(attention_mask, q)
+        # a prefill brings the cache's first tokens (update() has counted them): a one-token prompt is one too; a
+        # chunked prompt (open_prompt) brings them piece by piece
+        ch = st.chunk
+        if ch is not None:
+            whole = _whole(ch)
+            if self.layer_idx == 0:
+                st.n_heads_q = Hq
+                if whole:
+                    st.note_validity(attention_mask, q)
+                    if st.retier_enabled:
+                        st.place_prefill()
+                elif st.retier_enabled and (ch[2] or st.t0_limit is not None):
+                    # a chunked prompt is placed after its last chunk (and after each one while a device limit
+                    # holds) at the next update, before any layer stores that update's tokens: here the later
+                    # layers' pieces of this chunk are not stored yet
+                    st.place_pending = True
+            if whole:
+                out = prompt_attention(query, key, value, attention_mask, scaling, sinks)
                 if st.retier_enabled:
-                    st.place_prefill()
-        if prefill:
-            out = prompt_attention(query, key, value, attention_mask, scaling, sinks)
-            if st.retier_enabled:
-                self._migrate(tail=(key, value))
+                    self._migrate(tail=(key, value))
+            else:  # this chunk's queries over the prompt so far, in position order (kept whole: nothing evicted yet)
+                if st.layout.n_main == 0:
+                    keys, values = self.tail_k[:, :, : st.n_total], self.tail_v[:, :, : st.n_total]
+                else:
+                    keys, values = self._prompt_so_far()
+                out = chunk_attention(query, keys, values, scaling, sinks)
             return out.transpose(1, 2).contiguous(), None
         self._decode_bookkeeping()
         if st.attention == "ordered":
@@ -273,6 +297,25 @@ class TieredLayer(KVTierLayer):
         else:
             out = tiered.attend_split(self, query, scaling, sinks)
         return out.reshape(B, Hq, 1, D).transpose(1, 2), None
+
+    def _prompt_so_far(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H, n, D) K and V of a chunked prompt's ``n`` tokens so far in position order, after a placement put
+        some in T0 and T1 (a prompt's placement evicts and quantizes nothing): a transient copy, as a whole
+        prefill's K/V are, so that the device holds no more than its limit between chunks."""
+        st = self.state
+        lay, n = st.layout, st.n_total
+        B, H, _, D = self.dev_k.shape
+        k = torch.empty(B, H, n, D, dtype=self.dev_k.dtype, device=self.device)
+        v = torch.empty_like(k)
+        for x, (bk, bv) in ((T0, (self.k0, self.v0)), (T1, (self.k1, self.v1))):
+            t = lay.tiers[x]
+            if t.count:
+                b, pos, slot = t.b.to(self.device), t.pos.to(self.device), t.slot
+                k[b, :, pos] = bk[t.b, :, slot].to(self.device)
+                v[b, :, pos] = bv[t.b, :, slot].to(self.device)
+        m = lay.n_main
+        k[:, :, m:n], v[:, :, m:n] = self.tail_k[:, :, : n - m], self.tail_v[:, :, : n - m]
+        return k, v
 
     def _decode_bookkeeping(self) -> None:
         """What a decode step notes before it attends: device allocations, and (layer 0) the device tokens' peak."""
@@ -291,7 +334,7 @@ class TieredLayer(KVTierLayer):
         caller to write the token into (one call for all rows: :func:`kvtier.attention.fused_cpu.append_rows`), or
         None (no kernel here, or not a one-row decode step): then :meth:`update` it."""
         st = self.state
-        if not st._kernel_ok or st.batch != 1 or st.n_total == 0 or not self.is_initialized:
+        if not st._kernel_ok or st.batch != 1 or st.n_total == 0 or not self.is_initialized or st.prefilling:
             return None
         if self.layer_idx == 0:
             st.begin_update(key_states)
@@ -306,7 +349,7 @@ class TieredLayer(KVTierLayer):
         (:func:`kvtier.attention.tiered.rows_call`), or None (the eager or ordered path, streamed host tiers, a
         prefill): then :meth:`attend` it. Called after :meth:`update` has added the step's token."""
         st = self.state
-        if st.batch != 1 or st.n_total <= 1:
+        if st.batch != 1 or st.n_total <= 1 or st.chunk is not None:
             return None
         if self.layer_idx == 0:
             st.n_heads_q = n_heads_q

@@ -207,7 +207,7 @@ class RowsCache(ShapeGuardedCache):
 
     Without ``lengths``: a decode step, input (B, 1), every cache prefilled. With ``lengths`` (new tokens per
     row): a packed step, input (1, sum(lengths)); a row with more than one new token must have an empty cache (its
-    prefill: a kvtier cache holds one generation, so a prompt cannot be continued in chunks).
+    prefill) or an announced prompt with room for them (``open_prompt``: the next chunk of a chunked prefill).
     Built per step (cheap: it holds references); the rows' caches keep everything between steps."""
 
     def __init__(self, caches: list, lengths: list[int] | None = None) -> None:
@@ -220,9 +220,10 @@ class RowsCache(ShapeGuardedCache):
             n = 1 if lengths is None else lengths[i]
             if st.batch not in (None, 1) or n < 1 or (n == 1 and st.n_total == 0 and lengths is None):
                 raise ValueError("every row of a RowsCache is a prefilled cache of batch 1 (packed: or an empty one)")
-            if n > 1 and st.n_total > 0:
+            if n > 1 and st.n_total > 0 and not (getattr(st, "prefilling", False) and st.n_total + n <= st.prompt_end):
                 raise ValueError(f"row {i} brings {n} new tokens to a cache that holds {st.n_total}: only an empty "
-                                 "cache takes more than one token (its prefill)")
+                                 "cache (its prefill) or one whose announced prompt has room for them (open_prompt: "
+                                 "the next chunk) takes more than one token")
         n_layers = len(caches[0].layers)
         if any(len(c.layers) != n_layers for c in caches):
             raise ValueError("the rows of a RowsCache must be caches of the same model (same layer count)")

@@ -86,6 +86,23 @@ class TierState:
         self.t0_limit: int | None = None
         self.reset()
 
+    def open_prompt(self, n: int) -> None:
+        """Announce an ``n``-token prompt that arrives in chunks (chunked prefill): the updates that follow carry
+        consecutive pieces of it until ``n`` tokens are in; each chunk attends the prompt so far (causal), no chunk
+        adds to the scores, and the prompt is placed into tiers as a whole prefill places it, after its last chunk
+        (and after every chunk while a device limit is set, so that the device never holds more than the limit
+        beside one chunk). Decode steps follow as usual."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"open_prompt takes the prompt's length in tokens (an integer >= 1), got {n!r}")
+        if self.n_total > 0:
+            raise ValueError(f"open_prompt needs an empty cache; this one holds {self.n_total} positions (reset() it)")
+        self.prompt_end = n
+
+    @property
+    def prefilling(self) -> bool:
+        """An announced prompt (:meth:`open_prompt`) is not all in yet."""
+        return self.prompt_end is not None and self.n_total < self.prompt_end
+
     def reset(self) -> None:
         if self.host is not None:
             self.host.close()
@@ -99,6 +116,10 @@ class TierState:
         self.engine: TransferEngine | None = None
         self.host = None
         self.n_total = 0
+        self.prompt_end: int | None = None  # open_prompt's announced length (chunked prefill), else None
+        self.chunk: tuple[int, int, bool] | None = None  # this update's prompt piece: (start, tokens, last); None: decode
+        self.place_pending = False  # a chunked prompt is placed at the next update (TieredLayer.attend)
+        self.placed_version = -1  # the layout version of that placement: the layers' tails start again empty
         self.cap = 0
         self.valid = self.prompt = self.loc_tier = self.loc_idx = self.scores = self.valid_dev = None
         self.scores_host = None
@@ -216,12 +237,24 @@ class TierState:
     def begin_update(self, k: torch.Tensor) -> None:
         """Called by layer 0 with the new keys (B, H, q, D) before any layer stores them."""
         q = k.shape[2]
-        check_update(self.batch, self.n_total, k)
+        check_update(self.batch, self.n_total, k, self.prompt_end)
         if self.batch is None:
             self._init(k)
-        is_decode = self.n_total > 0
+        start = self.n_total
+        end = self.prompt_end if self.prompt_end is not None else (q if start == 0 else 0)
+        is_decode = start >= end
+        self.chunk = None if is_decode else (start, q, start + q == end)
+        placed = False
+        if self.place_pending:  # the chunks so far, placed as a whole prefill places its prompt
+            self.place_pending = False
+            self.place_prefill()
+            self.placed_version = self.version
+            self.retier_now = False  # the placement took the device limit into account
+            placed = True
         if is_decode:
-            if self.retier_enabled and (self.since_retier >= self.cfg.retier_interval or self.retier_now):
+            if placed:
+                pass  # the prompt's placement is this update's reassignment (a whole prefill's, one step late)
+            elif self.retier_enabled and (self.since_retier >= self.cfg.retier_interval or self.retier_now):
                 self.retier()
             elif self.recorder is not None and not self.retier_enabled and self.recorder.due(self.decode_steps):
                 self.recorder.note(self.decode_steps, self.codes())

@@ -32,6 +32,21 @@ class KVTierCache(ShapeGuardedCache):
         self.config = cfg
         self.policy = policy
 
+    def open_prompt(self, n: int) -> None:
+        """Announce an ``n``-token prompt that the next updates bring in chunks (chunked prefill, as a serving
+        engine runs it beside decoding rows): see :meth:`kvtier.cache.state.TierState.open_prompt`. The chunks give
+        the logits a whole prefill gives up to the attention's rounding (bit for bit where the model's matmuls do
+        not depend on the row count), the same zero scores and the same first tier placement."""
+        if self.sliding_layers():
+            raise ValueError("a hybrid sliding/full model's cache takes its prompt whole (its sliding layers attend "
+                             "with the model's own mask)")
+        self.state.open_prompt(n)
+
+    @property
+    def chunked_prompts(self) -> bool:
+        """Whether :meth:`open_prompt` is possible (not for a hybrid model's cache)."""
+        return not self.sliding_layers()
+
     def reset(self) -> None:
         """Forget everything (for a new, unrelated prompt); the object stays usable."""
         for layer in self.layers:
