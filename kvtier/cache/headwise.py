@@ -23,6 +23,7 @@ import torch
 from ..attention.merge import ordered, prompt_attention
 from ..config import EvictionBudget  # noqa: F401 (its documented home was here)
 from .base import KVTierLayer, ShapeGuardedCache, check_update, prompt_validity
+from .budget import BudgetView
 from .stats import sliding_stats
 
 
@@ -451,3 +452,11 @@ class HeadwiseCache(ShapeGuardedCache):
 
     def host_kv_bytes(self) -> int:
         return 0
+
+    def budget_view(self, new_tokens: int = 1) -> BudgetView:
+        """As :meth:`kvtier.cache.tiered.KVTierCache.budget_view`: a head-wise baseline holds everything on the
+        device and cannot give any of it to host memory (its evictions are its own)."""
+        st = self.state
+        return BudgetView(device_bytes=self.device_kv_bytes(), next_bytes=self.device_kv_next(), host_bytes=0,
+                          host_next=0, col_bytes=0, reserve=0, can_limit=False, t0_limit=None,
+                          tokens=st.n_total, device_tokens=st.n_total)

@@ -12,6 +12,7 @@ from ..tiers.layout import TAIL, grown_capacity
 from ..tiers.planner import T0, T1, T2, T3
 from ..tiers.quant import int8_bytes_per_token
 from .base import ShapeGuardedCache
+from .budget import BudgetView
 from .layer import TieredLayer
 from .state import _WORK_ALIGN, TierState, _roundup, full_columns, tail_columns, tail_granule
 from .stats import cache_stats
@@ -147,16 +148,24 @@ class KVTierCache(ShapeGuardedCache):
         return (sum(st.layer_device_bytes) + st.engine.staging_bytes()
                 + sum(s.device_bytes() for s in self.sliding_layers()))
 
-    def device_kv_next(self) -> int:
-        """An upper bound on :meth:`device_kv_bytes` after one more decode step (its token appended, a
-        reassignment if one is due), from the allocation rules of :mod:`kvtier.cache.layer`."""
+    def device_kv_next(self, new_tokens: int = 1) -> int:
+        """An upper bound on :meth:`device_kv_bytes` after the next update of ``new_tokens`` (a decode step's one
+        token, or the next chunk of an announced prompt; a reassignment or the prompt's placement if one is due),
+        from the allocation rules of :mod:`kvtier.cache.layer`."""
         st = self.state
         if st.batch is None:
             return 0
         layer = st.layers[0]
         cap0, cap_t = layer.cap0, layer.tail_k.shape[2]
         g = tail_granule(st.cfg.retier_interval)
-        if st.retier_enabled and (st.since_retier >= st.cfg.retier_interval or st.retier_now):
+        if st.place_pending and st.retier_enabled:  # a chunked prompt is placed, then the new tokens go to a new tail
+            cap0 = st.t0_limit if st.t0_limit is not None else grown_capacity(max(cap0, st.n_total), cap0)
+            cap_t = _roundup(new_tokens, g)
+        elif st.prefilling:
+            need = st.n_total + new_tokens - st.layout.n_main + (0 if st.retier_enabled else 1)
+            if need > cap_t:
+                cap_t = _roundup(need, g if st.retier_enabled else _WORK_ALIGN)
+        elif st.retier_enabled and (st.since_retier >= st.cfg.retier_interval or st.retier_now):
             if st.t0_limit is not None:
                 cap0, cap_t = st.t0_limit, min(cap_t, self.tail_reserve())
             else:
@@ -172,11 +181,28 @@ class KVTierCache(ShapeGuardedCache):
         if streams or st.attention == "ordered":  # (a full cache has no host tiers to stream)
             # host tiers streamed through staging slots (at most every token at its tier's capacity, one layer per
             # slot) and, on the ordered path, one layer's position-ordered work buffers of every kept token
-            n = st.n_total + 1
+            n = st.n_total + new_tokens
             slots = st.num_layers if st.t1_on_device else 1
             per_layer = slots * grown_capacity(n, 0) + (full_columns(n) if st.attention == "ordered" else 0)
             staging = max(staging, per_layer * col // st.num_layers)
         return (cap0 + cap_t) * col + staging
+
+    def budget_view(self, new_tokens: int = 1) -> BudgetView:
+        """What a serving scheduler needs to know of this one-row cache before its next update of ``new_tokens``
+        (:class:`kvtier.cache.budget.BudgetView`): device bytes now and after it, host bytes now and after it (a
+        limited row's tail goes to T1 at its reassignment, a chunked prompt's overflow at its placement), and how it
+        can give device memory back."""
+        st = self.state
+        col = self._col_bytes() if st.batch is not None else 0
+        host = self.host_kv_bytes()
+        host_next = host
+        if st.batch is not None and st.retier_enabled and st.t0_limit is not None:
+            # at the limit's next reassignment or placement the tokens beyond it go to T1
+            host_next += max(0, st.n_total - st.layout.n_main + (new_tokens if st.prefilling else 0)) * col
+        return BudgetView(
+            device_bytes=self.device_kv_bytes(), next_bytes=self.device_kv_next(new_tokens), host_bytes=host,
+            host_next=host_next, col_bytes=col, reserve=self.tail_reserve(), can_limit=self.can_limit,
+            t0_limit=st.t0_limit, tokens=st.n_total, device_tokens=self.row_tokens(0)["T0"] if st.batch else 0)
 
     def host_kv_bytes(self) -> int:
         """Host bytes of the T1 and T2 tokens (as :meth:`stats` counts them)."""

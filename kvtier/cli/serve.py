@@ -29,8 +29,9 @@ def serve(
     served_name: Optional[str] = typer.Option(None, help="the model id clients send and /v1/models lists (default --model)"),
     max_batch: int = typer.Option(8, help="rows decoded together (continuous: running rows; static: one batch)"),
     max_queue: int = typer.Option(64, help="requests that may wait for a batch; beyond it, 429 with Retry-After"),
-    scheduler: str = typer.Option("continuous", help="continuous: requests join the running batch after their "
-                                                     "prefill; static: batches through generate (as before)"),
+    scheduler: str = typer.Option("continuous", help="continuous: requests join the running batch, their "
+                                                     "prompts prefilled in chunks beside it; static: batches "
+                                                     "through generate (as before)"),
     device_kv_budget: Optional[str] = typer.Option(None, help="device K/V bytes for all rows, e.g. 512MiB or 2GiB "
                                                               "(default: CUDA 0.9 of free memory, CPU no limit)"),
     device_kv_fraction: float = typer.Option(0.9, help="on CUDA without --device-kv-budget: share of free memory"),
@@ -38,9 +39,12 @@ def serve(
                                                             "the RAM free at start)"),
     on_pressure: str = typer.Option("demote", help="when the budget is full: demote (device tokens to host "
                                                    "memory, exact), queue (admit at peak only), recompute (preempt)"),
-    prefill_tokens: Optional[int] = typer.Option(None, help="continuous: prompt tokens prefilled in one step beside "
-                                                            "the running rows (whole prompts; a longer one runs in a "
-                                                            "step of its own; default: 4096 on CPUs with AMX, else 1024)"),
+    max_batched_tokens: Optional[int] = typer.Option(None, help="continuous: tokens one step carries, the running "
+                                                                "rows' one each first, then prompt chunks (a longer "
+                                                                "prompt is prefilled over several steps; default: "
+                                                                "1024 on CPUs with AMX, 512 on other CPUs, 2048 on "
+                                                                "CUDA; printed at startup)"),
+    prefill_tokens: Optional[int] = typer.Option(None, hidden=True, help="replaced by --max-batched-tokens"),
     direct_step: bool = typer.Option(True, help="continuous: step Llama/Qwen2/Qwen3/Mistral models through "
                                                 "kvtier.step.direct (the model's ops without transformers' module "
                                                 "plumbing, checked bit for bit at start); off: the model's forward"),
@@ -103,7 +107,8 @@ def serve(
                             else parse_bytes("--device-kv-budget", device_kv_budget),
                             device_kv_fraction=device_kv_fraction, on_pressure=on_pressure,
                             host_kv_budget=None if host_kv_budget is None else parse_bytes("--host-kv-budget", host_kv_budget),
-                            prefill_tokens=prefill_tokens, linear=linear_mode(), direct_step=direct_step)
+                            max_batched_tokens=max_batched_tokens, prefill_tokens=prefill_tokens,
+                            linear=linear_mode(), direct_step=direct_step)
         resolve_dtype(dtype, resolve_device(device))
         m, tok = kvtier.load_model(model, device=device, dtype=dtype, linear="eager")  # the engine's thread packs
         settings.position_limit = getattr(m.config, "max_position_embeddings", None)

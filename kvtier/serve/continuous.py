@@ -1,21 +1,25 @@
-"""The continuous-batching engine: its own decode loop over rows, each with its own cache; requests join the running batch after their prefill and leave it the step they finish, under a device-KV budget.
+"""The continuous-batching engine: its own decode loop over rows, each with its own cache; every step carries the running rows' next tokens and prompt chunks up to a token budget, under a device-KV budget.
 
-Per loop iteration (one generation thread owns the model):
+Per loop iteration (one generation thread owns the model): schedule -> one forward over the plan -> postprocess.
 1. the wait list loses requests that were cancelled or expired (error events, as in the static engine);
-2. :func:`kvtier.serve.scheduler.decide` looks at every running row's device bytes after the next step (the
-   caches' own bound, :meth:`~kvtier.cache.tiered.KVTierCache.device_kv_next`) and the waiting requests' needs,
-   and the engine applies its decision: T0 limits (demotion to T1, exact; or growth back), preemptions (the row's
-   cache is dropped and its request goes back to the head of the wait list with what it generated, to be
-   recomputed: nothing it already sent is sent again), rejections (HTTP 400 naming ``--device-kv-budget``) and
-   admissions: each admitted request gets its own empty one-row cache (whole prompts, up to
-   ``cfg.prefill_tokens`` prompt tokens a step, at least one; by default per CPU:
-   :func:`~kvtier.serve.engine.default_prefill_tokens`);
-3. one forward over every running row (a packed :class:`kvtier.cache.rows.RowsCache`): a running row brings its
-   next token, a joining row its whole prompt (its prefill), laid end to end in one sequence; each row's attention
-   runs through its own cache, exactly as if it ran alone; each row samples from its own settings and seed;
+2. :class:`kvtier.serve.scheduler.Scheduler` plans the step from numbers alone: each running row's memory as its
+   cache reports it (:meth:`~kvtier.cache.tiered.KVTierCache.budget_view`) and each waiting request's needs give the
+   memory decision — T0 limits (demotion to T1, exact; or growth back), preemptions (the row's cache is dropped and
+   its request goes back to the head of the wait list with what it generated, to be recomputed: nothing it already
+   sent is sent again), rejections (HTTP 400 naming ``--device-kv-budget``) and admissions; then the token plan:
+   every row past its prompt decodes one token, then the prompts still prefilling (oldest first) and the admitted
+   requests' prompts take chunks of what is left of ``max_batched_tokens`` (``--max-batched-tokens``; by default
+   per device: :func:`~kvtier.serve.engine.default_batched_tokens`). A prompt longer than that is prefilled over
+   several steps in its own cache (:meth:`~kvtier.cache.tiered.KVTierCache.open_prompt`), so a decoding row never
+   waits behind more than one step's budget of prompt tokens;
+3. one forward over the plan (a packed :class:`kvtier.cache.rows.RowsCache`): a decoding row brings its next
+   token, a prefilling row its chunk, laid end to end in one sequence; each row's attention runs through its own
+   cache, exactly as if it ran alone; a row whose prompt is complete draws its next token from its own settings
+   and seed (a row still prefilling draws nothing);
 4. rows that finished (end of sequence, ``max_tokens``, a stop string, deadline, a client that left) free their
    slot and their bytes at once; the device bytes of all rows are summed from the caches and checked against the
-   budget after every step (``kvtier_device_kv_peak_bytes``; a breach is counted and logged).
+   budget after every step (``kvtier_device_kv_peak_bytes``; a breach is counted and logged). What each step
+   carried is kept in :attr:`ContinuousEngine.step_log` (the last 4096 steps).
 
 Events go to each request's ``sink`` exactly as from :class:`kvtier.serve.engine.Engine` (the static engine).
 """
@@ -26,6 +30,7 @@ import gc
 import logging
 import random
 import time
+from collections import deque
 
 import torch
 
@@ -37,7 +42,7 @@ from ..step.decode import step_for
 from ..step.direct import rows_logits
 from ..tiers.layout import grown_capacity
 from .engine import Engine, GenRequest, NeverFits, _safe_sink
-from .scheduler import Decision, RowNeed, WaitNeed, admit_by_count, decide
+from .scheduler import Plan, PromptNeed, RowNeed, Scheduler, WaitNeed
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +72,8 @@ class _Row:
         self.queued_at = req.arrived
         self.first_token = False
         self.peak_device = 0
-        self.pending: list[int] | None = None  # to prefill at the next step (its cache is empty until then)
+        self.left: list[int] = []  # prompt tokens (and, after a preemption, generated ones) not yet prefilled
+        self.chunkable = True  # its cache takes the prompt in chunks (else whole, in one step)
 
 
 class ContinuousEngine(Engine):
@@ -80,7 +86,11 @@ class ContinuousEngine(Engine):
         self._loop_hook = None
         self.budget = self.cfg.resolve_device_budget(model)
         self.host_budget = self.cfg.resolve_host_budget()
-        self.prefill_tokens = self.cfg.resolve_prefill_tokens(model)
+        self.max_batched_tokens = self.cfg.resolve_batched_tokens(model)
+        self.scheduler = Scheduler(self.budget, self.host_budget, self.cfg.on_pressure, self.cfg.max_batch,
+                                   self.max_batched_tokens)
+        # what each step carried: {"step", "decode": [request ids], "chunks": [(request id, tokens)], "ms"}
+        self.step_log: deque[dict] = deque(maxlen=4096)
         m = self.metrics
         m.device_kv_budget = self.budget
         layers, heads, head_dim = model_shape(model.config)
@@ -100,7 +110,8 @@ class ContinuousEngine(Engine):
         b = "no device-KV budget" if self.budget is None else f"device-KV budget {self.budget / 2**20:.1f} MiB"
         h = "" if self.host_budget is None else f", host-KV budget {self.host_budget / 2**30:.1f} GiB"
         step = "direct step" if self._direct is not None else "the model's forward"
-        return (f"scheduler continuous (up to {self.cfg.max_batch} rows, {self.prefill_tokens} prompt tokens a step, "
+        return (f"scheduler continuous (up to {self.cfg.max_batch} rows, {self.max_batched_tokens} tokens a step, "
+                f"prompts chunked, "
                 f"{step}), {b}{h}, on pressure: {self.cfg.on_pressure}")
 
     # ---- the generation thread ----------------------------------------------------------------------
@@ -116,10 +127,10 @@ class ContinuousEngine(Engine):
                 if hook is not None:  # tests: run something on this thread, between two steps
                     hook()
                 self._drop_gone()
-                started = self._schedule()
-                if self.rows:
-                    self._step()
-                elif self.waiting and not started:
+                plan = self._schedule()
+                if plan is not None and plan.tokens.tokens:
+                    self._step(plan)
+                elif self.waiting and not (plan and plan.tokens.joined):
                     time.sleep(0.01)  # nothing fits and nothing runs: requests are being rejected or expire
             except Exception as e:  # a failed step ends its rows with an error; the server goes on
                 log.exception("a continuous step failed")
@@ -145,17 +156,22 @@ class ContinuousEngine(Engine):
 
     # ---- scheduling ---------------------------------------------------------------------------------
     def _row_need(self, row: _Row) -> RowNeed:
-        c = row.cache
-        st = c.state
-        nxt = c.device_kv_next()
-        host = c.host_kv_bytes()
-        due = getattr(st, "retier_enabled", False) and st.t0_limit is not None
-        tail = (st.n_total - st.layout.n_main) * self.col_bytes if due else 0
+        """The row's memory as its cache reports it before its next update (its chunk, or one decode token)."""
+        n = self._next_chunk(row)
+        v = row.cache.budget_view(n)
         n_max = len(row.req.prompt_ids) + row.req.max_tokens
-        return RowNeed(key=row.req.id, next_bytes=nxt, col_bytes=self.col_bytes, reserve=self._reserve(row.req),
-                       can_limit=bool(c.can_limit), generated=len(row.generated), arrived=row.req.arrived,
-                       host_bytes=host, host_next=host + tail, t0_limit=getattr(st, "t0_limit", None),
-                       tokens=st.n_total, peak_bytes=self._peak_bytes(n_max), device_tokens=c.row_tokens(0)["T0"])
+        # a prefilling row under a limit holds its limit beside one chunk (its placement follows each chunk)
+        reserve = max(self._reserve(row.req), n if row.left else 0)
+        return RowNeed(key=row.req.id, next_bytes=v.next_bytes, col_bytes=self.col_bytes, reserve=reserve,
+                       can_limit=v.can_limit, generated=len(row.generated), arrived=row.req.arrived,
+                       host_bytes=v.host_bytes, host_next=v.host_next, t0_limit=v.t0_limit, tokens=v.tokens,
+                       peak_bytes=self._peak_bytes(n_max), device_tokens=v.device_tokens)
+
+    def _next_chunk(self, row: _Row) -> int:
+        """Tokens the row brings to its next step: one to decode, else (at most) its next prompt chunk."""
+        if not row.left:
+            return 1
+        return len(row.left) if not row.chunkable else min(len(row.left), self.max_batched_tokens)
 
     def _reserve(self, req: GenRequest) -> int:
         return tail_columns(int(req.params.get("retier_interval", TierConfig.retier_interval)))
@@ -171,10 +187,18 @@ class ContinuousEngine(Engine):
         n = self._tokens(req)
         cls = POLICIES[req.policy]
         can_limit = getattr(cls, "family", "") in ("reference", "hierarchy") and req.params.get("rest_tier", "T1") == "T1"
-        reserve = self._reserve(req)
+        # started at a limit, a chunked prompt holds the limit beside one chunk until it is all in
+        reserve = max(self._reserve(req), min(n, self.max_batched_tokens) if self._chunkable(req) else 0)
         return WaitNeed(key=req.id, start_bytes=self._peak_bytes(n + 1), min_bytes=reserve * self.col_bytes,
                         peak_bytes=self._peak_bytes(len(req.prompt_ids) + req.max_tokens),
                         col_bytes=self.col_bytes, reserve=reserve, can_limit=can_limit, tokens=n)
+
+    def _chunkable(self, req: GenRequest) -> bool:
+        """Whether the request's cache takes its prompt in chunks: the tiered family (a head-wise baseline scores
+        its whole prompt at prefill)."""
+        from ..policies import POLICIES
+
+        return getattr(POLICIES[req.policy], "family", "") in ("reference", "hierarchy", "ablation")
 
     def _tokens(self, req: GenRequest) -> int:
         """Tokens a waiting request prefills when it starts: its prompt, and after a preemption what it generated."""
@@ -198,15 +222,27 @@ class ContinuousEngine(Engine):
                 raise NeverFits(self._never_fits(req, need))
         super().submit(req)
 
-    def _schedule(self) -> int:
+    def _schedule(self) -> Plan | None:
+        """Plan the step (:class:`~kvtier.serve.scheduler.Scheduler`) and apply its memory decision and
+        admissions; returns the plan (None when nothing runs or waits)."""
         with self._cv:
             waiting = list(self.waiting)
+        if not waiting and not self.rows:
+            return None
         if self.budget is None:
-            # only the row count decides: the rows' byte needs (tensor reads, ~40 us a row) are not gathered
-            d: Decision = admit_by_count(len(self.rows), [r.id for r in waiting], self.cfg.max_batch)
+            # only the row count decides: the rows' byte needs (~40 us a row) are not gathered
+            rows = [RowNeed(key=r.req.id, next_bytes=0, col_bytes=0, reserve=0, can_limit=False, generated=0,
+                            arrived=0.0) for r in self.rows]
+            needs = [WaitNeed(key=r.id, start_bytes=0, min_bytes=0, peak_bytes=0, col_bytes=0, reserve=0,
+                              can_limit=False) for r in waiting]
         else:
-            d = decide([self._row_need(r) for r in self.rows], [self._wait_need(r) for r in waiting], self.budget,
-                       self.host_budget, self.cfg.on_pressure, self.cfg.max_batch)
+            rows = [self._row_need(r) for r in self.rows]
+            needs = [self._wait_need(r) for r in waiting]
+        decoding = [r.req.id for r in self.rows if not r.left]
+        prefilling = [PromptNeed(r.req.id, len(r.left), r.chunkable) for r in self.rows if r.left]
+        prompts = {r.id: PromptNeed(r.id, self._tokens(r), self._chunkable(r)) for r in waiting}
+        plan = self.scheduler.plan(rows, needs, decoding, prefilling, prompts)
+        d = plan.memory
         by_id = {r.req.id: r for r in self.rows}
         for key in d.preempt:
             self._preempt(by_id[key])
@@ -214,10 +250,6 @@ class ContinuousEngine(Engine):
             row = by_id.get(key)
             if row is None or row.done:
                 continue
-            if t0 is not None:
-                before = row.cache.row_tokens(0)["T0"]
-                row.demoted += max(0, before - t0)
-                self.metrics.demoted_tokens += max(0, before - t0)
             row.cache.limit_device(t0)
         reqs = {r.id: r for r in waiting}
         for key in d.reject:
@@ -226,20 +258,14 @@ class ContinuousEngine(Engine):
                 self._remove_waiting(r)
             self._resumed.pop(r.id, None)
             _safe_sink(r, ("error", 400, self._never_fits(r, self._wait_need(r))))
-        prefill = 0  # prompt tokens joining at the next step: whole prompts up to self.prefill_tokens, at least one
-        started = 0
-        for key, t0 in d.admit:
+        limits = dict(d.admit)
+        for key in plan.tokens.joined:
             r = reqs[key]
-            n = self._tokens(r)
-            if started and prefill + n > self.prefill_tokens:
-                break  # it stays at the head of the wait list and is decided again after this step
             with self._cv:
                 if not self._remove_waiting(r):
-                    continue  # cancelled meanwhile
-            self._start(r, t0)
-            prefill += n
-            started += 1
-        return started
+                    continue  # cancelled meanwhile: its chunk is dropped from the step below
+            self._start(r, limits.get(key))
+        return plan
 
     def _remove_waiting(self, r: GenRequest) -> bool:
         try:
@@ -265,44 +291,75 @@ class ContinuousEngine(Engine):
             cache = kvtier.make_cache(req.policy, self.model, **req.params)
             if t0 is not None:
                 cache.limit_device(t0)
-                row.demoted += max(0, len(req.prompt_ids) - t0)
             self.live_caches.add(cache)
             row.cache = cache
-            row.pending = list(req.prompt_ids) + row.generated
+            row.left = list(req.prompt_ids) + row.generated
+            row.chunkable = self._chunkable(req) and getattr(cache, "chunked_prompts", False)
+            if row.chunkable:
+                cache.open_prompt(len(row.left))
             if resumed:
-                row.recomputed += len(row.pending)
-                self.metrics.recomputed_tokens += len(row.pending)
+                row.recomputed += len(row.left)
+                self.metrics.recomputed_tokens += len(row.left)
             self.metrics.prompt_tokens += len(req.prompt_ids) if not resumed else 0
         except Exception as e:
             log.exception("could not start request %d", req.id)
             self._fail(row, e)
 
-    def _step(self) -> None:
-        """One forward over every running row: its next token, or a joining row's whole prefill, packed end to end
-        in one sequence (:class:`kvtier.cache.rows.RowsCache` with ``lengths``); each row draws its next token."""
-        rows = list(self.rows)
-        seqs = [r.pending if r.pending is not None else [r.generated[-1]] for r in rows]
-        joining = [len(r.pending) for r in rows if r.pending is not None]
+    def _step(self, plan: Plan) -> None:
+        """One forward over the plan: each decoding row's next token and each prompt chunk, packed end to end in
+        one sequence (:class:`kvtier.cache.rows.RowsCache` with ``lengths``); every row whose prompt is complete
+        draws its next token."""
+        by_id = {r.req.id: r for r in self.rows}
+        rows, seqs = [], []
+        for key in plan.tokens.decode:
+            row = by_id.get(key)
+            if row is not None and not row.done and row.cache is not None:
+                rows.append(row)
+                seqs.append([row.generated[-1]])
+        chunks = []
+        for key, n in plan.tokens.chunks:
+            row = by_id.get(key)
+            if row is not None and not row.done and row.cache is not None:
+                rows.append(row)
+                seqs.append(row.left[:n])
+                chunks.append((key, n))
+        if not rows:
+            return
         t0 = time.perf_counter()
         # (B, V) in the model's dtype: through the direct step where it was checked, else the model's forward
         logits = rows_logits(self.model, self._direct, [r.cache for r in rows], seqs)[0]
-        for r in rows:
-            r.pending = None
+        ready = []  # (index, row) of rows that draw a token: decoding rows and prompts now complete
+        for i, (row, seq) in enumerate(zip(rows, seqs)):
+            if row.left:
+                row.left = row.left[len(seq):]
+            if not row.left:
+                ready.append((i, row))
         self._note_device()
         # Greedy rows: one pass over the batch's logits in the model's dtype, each row's first maximum as float32
         # argmax finds it (bf16 -> float32 is exact), without the float32 copy of every row: at 32 rows of a 152K
         # vocabulary in bf16, float() + argmax took ~4 ms a step, torch.max ~1.9, argmax_rows ~0.4 (2-core Xeon).
-        greedy = argmax_rows(logits).tolist() if any(r.sampler is None for r in rows) else None
+        greedy = argmax_rows(logits).tolist() if any(r.sampler is None for _, r in ready) else None
         produced = 0
-        for i, row in enumerate(rows):
+        for i, row in ready:
             if not row.done:
                 produced += 1
                 self._accept(row, logits[i : i + 1], None if greedy is None else greedy[i])
+        now = time.monotonic()
+        for row in rows:  # a row still prefilling ends here if its client left or its time ran out
+            if row.left and not row.done:
+                if row.req.cancelled or self.cancel_all:
+                    self._finish(row, "cancelled")
+                elif now > row.req.deadline:
+                    self._finish(row, "timeout")
         self.metrics.add_tokens(produced)
         self.metrics.steps += 1
+        ms = 1e3 * (time.perf_counter() - t0)
+        self.step_log.append({"step": self.metrics.steps, "decode": [k for k in plan.tokens.decode if k in by_id],
+                              "chunks": chunks, "ms": ms})
         if log.isEnabledFor(logging.DEBUG):  # KVTIER_LOG=debug: what each step held and took
+            # (rows in the step, of them carrying a prompt chunk, the chunks' tokens: benchmarks/serve_steps.py)
             log.debug("step %d: %d rows, %d joining with %d prompt tokens, %.1f ms", self.metrics.steps, len(rows),
-                      len(joining), sum(joining), 1e3 * (time.perf_counter() - t0))
+                      len(chunks), sum(n for _, n in chunks), ms)
 
     def _accept(self, row: _Row, logits: torch.Tensor, greedy: int | None = None) -> None:
         """Draw the row's next token from ``logits`` (1, V) (``greedy``: its first maximum, if taken already) and
@@ -357,7 +414,8 @@ class ContinuousEngine(Engine):
                 "streamed_bytes": tr.get("stream_h2d_bytes", 0),
                 "moved_bytes": tr.get("migration_h2d_bytes", 0) + tr.get("migration_d2h_bytes", 0),
                 "reassignments": st.get("retiers", 0),
-                "demoted_tokens": row.demoted,
+                # token-columns moved from the device to T1 (its dropped caches' and this one's)
+                "demoted_tokens": row.demoted + (st.get("changed_tokens", {}).get("T0->T1", 0) if c is not None else 0),
                 "preemptions": row.preemptions,
                 "recomputed_tokens": row.recomputed,
                 "waiting_seconds": round(row.waited, 6),
@@ -400,7 +458,11 @@ class ContinuousEngine(Engine):
 
     def _count_moves(self, row: _Row) -> None:
         st = row.cache.stats()
-        self.metrics.promoted_tokens += st.get("changed_tokens", {}).get("T1->T0", 0) if row.demoted else 0
+        # every token-column moved between the device and T1, at admission, limit changes and reassignments alike
+        changed = st.get("changed_tokens", {})
+        row.demoted += changed.get("T0->T1", 0)
+        self.metrics.demoted_tokens += changed.get("T0->T1", 0)
+        self.metrics.promoted_tokens += changed.get("T1->T0", 0)
         self.metrics.reassignments += st.get("retiers", 0)
         tr = st.get("transfer", {})
         self.metrics.streamed_bytes += tr.get("stream_h2d_bytes", 0)

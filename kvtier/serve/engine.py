@@ -48,25 +48,27 @@ class NeverFits(Exception):
     """The request could not run even alone under the device-KV budget (HTTP 400, before any stream starts)."""
 
 
-# A burst of arrivals is prefilled in packed steps of whole prompts; its last prompt's first token (the TTFT p99 at
-# many clients) comes after all of them, so the step size that prefills most tokens a second wins there; smaller
-# steps give the burst's first prompts their token sooner (TTFT p50). Which size that is depends on the matmuls:
-# - AVX-512 without AMX (2-core EPYC, bf16): the MLP's up-projection (896 x 9728 in the 0.5B) runs ~960 GFLOP/s up
-#   to 1024 rows and ~720 at 2048; served at 32 clients, 1024 gave 2-13% more tok/s, a 7% lower TTFT p99 and a ~40%
-#   lower TTFT p50 than 2048 (benchmarks/results/serve_prefill_tokens_2026-12-04_epyc_avx512bf16/).
-# - AMX (2-core Xeon, bf16): the packed prefill holds its rate to 4096 tokens; served at 32 clients (two alternating
-#   runs), TTFT p99 2.81 / 2.76 s at 1024, 2.37 / 2.47 at 2048, 2.10 / 2.15 at 4096, tok/s 267-281 at each, TTFT p50
-#   0.96-1.01 s at 1024 and 1.17-1.47 at 4096 (benchmarks/results/serve_prefill_tokens_2026-12-05_xeon_amx/).
-# Elsewhere (AVX2-only CPUs, CUDA) unmeasured: the EPYC's 1024.
-PREFILL_TOKENS_AMX = 4096
-PREFILL_TOKENS_OTHER = 1024
+# The continuous engine plans each step by tokens (kvtier.serve.scheduler): running rows decode first, then prompt
+# chunks fill up to max_batched_tokens, so a decoding row never waits behind more than that many prompt tokens (a
+# prompt longer than it is prefilled over several steps). Larger steps prefill faster (a burst's last first token
+# comes sooner); smaller ones keep every decoding row's inter-token gap short. Whole prompts measured before chunking
+# (a step of whole prompts up to N tokens): on AMX the packed prefill held its rate to 4096 tokens, 738 tokens took
+# ~450 ms (benchmarks/results/serve_prefill_tokens_2026-12-05_xeon_amx/); on the AVX-512 EPYC the MLP's product ran
+# ~960 GFLOP/s to 1024 rows and ~720 at 2048 (serve_prefill_tokens_2026-12-04_epyc_avx512bf16/). The defaults keep a
+# step carrying a full chunk near half a second on those CPUs: 1024 tokens with AMX, 512 elsewhere (CUDA: 2048, as
+# vLLM's default for a small model; unmeasured here). `kvtier serve` prints the value at startup.
+BATCHED_TOKENS_AMX = 1024
+BATCHED_TOKENS_CPU = 512
+BATCHED_TOKENS_CUDA = 2048
 
 
-def default_prefill_tokens(device: torch.device | str = "cpu") -> int:
-    """``--prefill-tokens`` when not given: 4096 on a CPU with AMX, else 1024 (measured as above)."""
+def default_batched_tokens(device: torch.device | str = "cpu") -> int:
+    """``--max-batched-tokens`` when not given (see the note above)."""
     from ..step.cpu import cpu_amx
 
-    return PREFILL_TOKENS_AMX if torch.device(device).type == "cpu" and cpu_amx() else PREFILL_TOKENS_OTHER
+    if torch.device(device).type != "cpu":
+        return BATCHED_TOKENS_CUDA
+    return BATCHED_TOKENS_AMX if cpu_amx() else BATCHED_TOKENS_CPU
 
 
 @dataclass
@@ -82,8 +84,10 @@ class EngineConfig:
     device_kv_fraction: float = 0.9  # on CUDA without a budget: this share of the memory free after the weights
     host_kv_budget: int | None = None  # bytes of host K/V (T1/T2) for all rows (None: half the RAM free at start)
     on_pressure: str = "demote"  # "demote" | "queue" | "recompute" (see kvtier.serve.scheduler)
-    # continuous: prompt tokens prefilled in one step beside the running rows (whole prompts; at least one a step);
-    # None: default_prefill_tokens() for the model's device.
+    # continuous: tokens one step carries, decoding rows' one token each first, then prompt chunks (a longer prompt
+    # is prefilled over several steps); None: default_batched_tokens() for the model's device, at least max_batch.
+    max_batched_tokens: int | None = None
+    # replaced by max_batched_tokens (prompts are chunked now); given, it is refused with a message saying so
     prefill_tokens: int | None = None
     # Prepare the model's step (kvtier.step.prepare_step: packed linears, fused norms) on the engine's own thread as
     # it starts, None: the model as given.
@@ -115,12 +119,20 @@ class EngineConfig:
         if self.scheduler == "static" and (self.device_kv_budget is not None or self.on_pressure != "demote"):
             raise ValueError("--device-kv-budget and --on-pressure need --scheduler continuous (the static scheduler "
                              "admits by count)")
-        for name in ("max_batch", "max_queue", "stats_every", "prefill_tokens"):
+        if self.prefill_tokens is not None:
+            raise ValueError("prefill_tokens (--prefill-tokens) was replaced by max_batched_tokens "
+                             "(--max-batched-tokens): the tokens of a whole step, decoding rows first, then prompt "
+                             "chunks (a prompt longer than that is prefilled over several steps)")
+        for name in ("max_batch", "max_queue", "stats_every", "max_batched_tokens"):
             v = getattr(self, name)
-            if v is None and name == "prefill_tokens":
+            if v is None and name == "max_batched_tokens":
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be an integer >= 1, got {v!r}")
+        if self.max_batched_tokens is not None and self.max_batched_tokens < self.max_batch:
+            raise ValueError(f"max_batched_tokens (--max-batched-tokens) must be at least max_batch (--max-batch "
+                             f"{self.max_batch}): every running row decodes one token a step; got "
+                             f"{self.max_batched_tokens}")
         if isinstance(self.batch_wait_s, bool) or not isinstance(self.batch_wait_s, (int, float)) or not 0 <= self.batch_wait_s <= 10:
             raise ValueError(f"batch_wait_s (--batch-wait) must be a number of seconds in [0, 10], got {self.batch_wait_s!r}")
 
@@ -135,12 +147,12 @@ class EngineConfig:
             return int(free * self.device_kv_fraction)
         return None
 
-    def resolve_prefill_tokens(self, model) -> int:
-        """Prompt tokens a step prefills: the number given, else :func:`default_prefill_tokens` for the model's
-        device."""
-        if self.prefill_tokens is not None:
-            return self.prefill_tokens
-        return default_prefill_tokens(getattr(model, "device", torch.device("cpu")))
+    def resolve_batched_tokens(self, model) -> int:
+        """Tokens a step carries: the number given, else :func:`default_batched_tokens` for the model's device (at
+        least ``max_batch``)."""
+        if self.max_batched_tokens is not None:
+            return self.max_batched_tokens
+        return max(self.max_batch, default_batched_tokens(getattr(model, "device", torch.device("cpu"))))
 
     def resolve_host_budget(self) -> int | None:
         """The host-KV budget in bytes: the one given, else half the RAM available now (None if unknown)."""

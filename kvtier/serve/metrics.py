@@ -98,9 +98,11 @@ def _collector(srv):
                                     value=m.device_kv_bytes_now)
             yield GaugeMetricFamily("kvtier_device_kv_peak_bytes", "highest device K/V after any prefill or step",
                                     value=m.device_kv_peak)
-            yield CounterMetricFamily("kvtier_demoted_tokens", "tokens moved from the device to host memory by memory "
-                                      "pressure", value=m.demoted_tokens)
-            yield CounterMetricFamily("kvtier_promoted_tokens", "tokens of demoted rows moved back to the device",
+            yield CounterMetricFamily("kvtier_demoted_tokens", "token-columns moved from the device to T1 (at "
+                                      "admission, limit changes and reassignments; counted when a row's cache is "
+                                      "released)", value=m.demoted_tokens)
+            yield CounterMetricFamily("kvtier_promoted_tokens", "token-columns moved from T1 back to the device "
+                                      "(counted when a row's cache is released)",
                                       value=m.promoted_tokens)
             yield CounterMetricFamily("kvtier_preemptions", "rows preempted (recomputed later)", value=m.preemptions)
             yield CounterMetricFamily("kvtier_recomputed_tokens", "tokens prefilled again after a preemption",

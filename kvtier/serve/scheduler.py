@@ -1,4 +1,9 @@
-"""The continuous engine's memory decisions under a device-KV budget: which waiting requests join, which rows give device memory back (demote), which are preempted — arithmetic on byte counts; no tensors here.
+"""The continuous engine's plan for each step — which rows decode, which prompt chunks prefill under a token budget, which waiting requests join, which rows give device memory back (demote), which are preempted — arithmetic on token and byte counts; no tensors here.
+
+:class:`Scheduler` returns one :class:`Plan` a step: the memory decision (:func:`decide`) and the token plan
+(:func:`plan_tokens`): every running row that is past its prompt decodes one token first, then prompt chunks of the
+rows still prefilling (oldest first) and of the requests that join fill what is left of ``max_batched_tokens``. A
+prompt longer than what is left is prefilled over several steps, its partial K/V kept in its own cache.
 
 Each running row reports what it will hold after the next step (:class:`RowNeed`); each waiting request what it
 needs to start (:class:`WaitNeed`). :func:`decide` returns T0 limits (tokens) for rows that must shrink or may grow,
@@ -181,3 +186,92 @@ def decide(rows: list[RowNeed], waiting: list[WaitNeed], budget: int | None, hos
                 grown = cur + share // r.col_bytes
                 d.limits[r.key] = None if grown >= r.tokens + r.reserve else grown
     return d
+
+
+@dataclass
+class PromptNeed:
+    """A prompt with tokens still to prefill: a running row's (it started) or a request admitted this step."""
+
+    key: int
+    left: int  # prompt tokens not yet prefilled (and, after a preemption, what the row had generated)
+    chunkable: bool = True  # False: its cache takes the prompt whole (a head-wise baseline, a hybrid model)
+
+
+@dataclass
+class TokenPlan:
+    decode: list[int] = field(default_factory=list)  # keys of rows decoding one token, in the order given
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (key, prompt tokens this step), in order
+    joined: list[int] = field(default_factory=list)  # keys of the admitted requests that start this step
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(n for _, n in self.chunks)
+
+    @property
+    def tokens(self) -> int:
+        return len(self.decode) + self.prompt_tokens
+
+
+def plan_tokens(decoding: list[int], prefilling: list[PromptNeed], joining: list[PromptNeed],
+                max_batched_tokens: int) -> TokenPlan:
+    """The step's tokens: every decoding row's one token first; then the prefilling rows' next chunks (in order:
+    oldest first), then the joining requests' first chunks, while ``max_batched_tokens`` has room. A prompt that does
+    not fit gets what is left (it goes on next step); one that cannot be chunked goes whole, alone among the prompts
+    of its step, when it does not fit (the one case a step carries more than the budget: a head-wise baseline's
+    prefill scores its whole prompt). A joining request that gets nothing waits, and so do the ones behind it."""
+    if isinstance(max_batched_tokens, bool) or not isinstance(max_batched_tokens, int) or max_batched_tokens < 1:
+        raise ValueError(f"max_batched_tokens must be an integer >= 1, got {max_batched_tokens!r}")
+    plan = TokenPlan(decode=list(decoding))
+    room = max_batched_tokens - len(plan.decode)
+    for joins, needs in ((False, prefilling), (True, joining)):
+        for p in needs:
+            if p.left < 1:
+                raise ValueError(f"request {p.key}: a prompt with nothing left to prefill is not prefilling")
+            if p.chunkable:
+                n = min(p.left, room)
+            else:
+                n = p.left if p.left <= room or not plan.chunks else 0
+            if n <= 0:
+                if joins:
+                    return plan
+                continue  # a running prompt waits for the next step; the others behind it may still fit
+            plan.chunks.append((p.key, n))
+            room -= n
+            if joins:
+                plan.joined.append(p.key)
+    return plan
+
+
+@dataclass
+class Plan:
+    """One step: the memory decision (applied first) and the tokens that go into the step's one forward."""
+
+    memory: Decision
+    tokens: TokenPlan
+
+
+class Scheduler:
+    """Decides each step from numbers alone (see the module doc); the engine applies the plan and runs the step."""
+
+    def __init__(self, budget: int | None, host_budget: int | None, mode: str, max_rows: int,
+                 max_batched_tokens: int) -> None:
+        if mode not in PRESSURE_MODES:
+            raise ValueError(f"mode must be one of {PRESSURE_MODES}, got {mode!r}")
+        if isinstance(max_batched_tokens, bool) or not isinstance(max_batched_tokens, int) or max_batched_tokens < 1:
+            raise ValueError(f"max_batched_tokens must be an integer >= 1, got {max_batched_tokens!r}")
+        self.budget, self.host_budget, self.mode = budget, host_budget, mode
+        self.max_rows, self.max_batched_tokens = max_rows, max_batched_tokens
+
+    def plan(self, rows: list[RowNeed], waiting: list[WaitNeed], decoding: list[int], prefilling: list[PromptNeed],
+             prompts: dict[int, PromptNeed]) -> Plan:
+        """``rows``: every running row's memory (ignored without a budget: then only counts decide); ``waiting``:
+        the wait list in order; ``decoding``: running rows past their prompt; ``prefilling``: running rows with
+        prompt left, oldest first; ``prompts``: each waiting key's prompt need, should it join."""
+        if self.budget is None:
+            memory = admit_by_count(len(rows), [w.key for w in waiting], self.max_rows)
+        else:
+            memory = decide(rows, waiting, self.budget, self.host_budget, self.mode, self.max_rows)
+        gone = set(memory.preempt)
+        tokens = plan_tokens([k for k in decoding if k not in gone], [p for p in prefilling if p.key not in gone],
+                             [prompts[k] for k, _ in memory.admit], self.max_batched_tokens)
+        return Plan(memory=memory, tokens=tokens)

@@ -1,0 +1,103 @@
+"""The scheduler's plan from numbers alone (no model, no tensors): the token budget, decoding rows first, prompt
+chunks that continue over steps, and the memory decisions (demote / queue / recompute, a host budget that forces a
+preemption) in the same plan."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.serve.scheduler import PromptNeed, RowNeed, Scheduler, WaitNeed, plan_tokens
+
+COL = 100  # bytes a token
+
+
+def _row(key, tokens, *, limit=None, generated=10, host=0, host_next=None, can_limit=True, arrived=0.0):
+    return RowNeed(key=key, next_bytes=(tokens + 1) * COL, col_bytes=COL, reserve=8, can_limit=can_limit,
+                   generated=generated, arrived=arrived, host_bytes=host,
+                   host_next=host if host_next is None else host_next, t0_limit=limit, tokens=tokens,
+                   device_tokens=tokens, peak_bytes=(tokens + 50) * COL)
+
+
+def _wait(key, tokens, can_limit=True):
+    return WaitNeed(key=key, start_bytes=(tokens + 1) * COL, min_bytes=8 * COL, peak_bytes=(tokens + 50) * COL,
+                    col_bytes=COL, reserve=8, can_limit=can_limit, tokens=tokens)
+
+
+def test_decoding_rows_go_first_then_prefilling_rows_then_joining_prompts():
+    p = plan_tokens([1, 2, 3], [PromptNeed(4, 500)], [PromptNeed(5, 40), PromptNeed(6, 40)], 256)
+    assert p.decode == [1, 2, 3]
+    assert p.chunks == [(4, 253)]  # the prefilling row takes all that is left: nobody joins this step
+    assert p.joined == [] and p.tokens == 256
+
+
+def test_a_long_prompt_continues_over_steps_within_the_budget():
+    left, steps = 3000, 0
+    while left:
+        p = plan_tokens([1, 2], [PromptNeed(9, left)], [], 256)
+        assert p.tokens <= 256 and p.decode == [1, 2]
+        left -= p.chunks[0][1]
+        steps += 1
+    assert steps == -(-3000 // 254)
+
+
+def test_joining_prompts_share_what_is_left_in_order():
+    p = plan_tokens([1], [], [PromptNeed(5, 100), PromptNeed(6, 100), PromptNeed(7, 100)], 256)
+    assert p.chunks == [(5, 100), (6, 100), (7, 55)] and p.joined == [5, 6, 7]
+    p = plan_tokens(list(range(256)), [], [PromptNeed(5, 10)], 256)  # no room: the join waits
+    assert p.chunks == [] and p.joined == []
+
+
+def test_a_prompt_that_cannot_be_chunked_goes_whole_alone_or_waits():
+    p = plan_tokens([1], [], [PromptNeed(5, 600, chunkable=False)], 256)
+    assert p.chunks == [(5, 600)]  # alone among the step's prompts: the one case a step exceeds the budget
+    p = plan_tokens([1], [], [PromptNeed(4, 50), PromptNeed(5, 600, chunkable=False), PromptNeed(6, 10)], 256)
+    assert p.chunks == [(4, 50)] and p.joined == [4]  # it waits for a step of its own; the one behind it too
+
+
+def test_bad_budgets_are_refused():
+    with pytest.raises(ValueError, match="max_batched_tokens must be an integer >= 1"):
+        plan_tokens([], [], [], 0)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        Scheduler(None, None, "evict", 8, 256)
+
+
+def test_without_a_budget_rows_count_and_tokens_decide():
+    s = Scheduler(None, None, "demote", 3, 256)
+    rows = [_row(1, 50), _row(2, 50)]
+    p = s.plan(rows, [_wait(5, 300), _wait(6, 10)], [1, 2], [], {5: PromptNeed(5, 300), 6: PromptNeed(6, 10)})
+    assert p.memory.admit == [(5, None)]  # one slot left
+    assert p.tokens.chunks == [(5, 254)] and p.tokens.joined == [5]
+
+
+def test_demote_limits_running_rows_so_a_request_starts():
+    s = Scheduler(1000 * COL, None, "demote", 8, 256)
+    rows = [_row(1, 480), _row(2, 480)]
+    p = s.plan(rows, [_wait(5, 100)], [1, 2], [], {5: PromptNeed(5, 100)})
+    assert p.memory.limits and not p.memory.preempt
+    assert p.tokens.decode == [1, 2]
+
+
+def test_queue_admits_only_at_peak_and_never_demotes():
+    s = Scheduler(1000 * COL, None, "queue", 8, 256)
+    rows = [_row(1, 400)]
+    p = s.plan(rows, [_wait(5, 600)], [1], [], {5: PromptNeed(5, 600)})
+    assert p.memory.admit == [] and not p.memory.limits
+    p = s.plan(rows, [_wait(5, 100)], [1], [], {5: PromptNeed(5, 100)})
+    assert p.memory.admit == [(5, None)] and p.tokens.joined == [5]
+
+
+def test_recompute_preempts_the_newest_and_its_tokens_leave_the_plan():
+    s = Scheduler(900 * COL, None, "recompute", 8, 256)
+    rows = [_row(1, 500, arrived=1.0), _row(2, 500, arrived=2.0)]
+    p = s.plan(rows, [], [1], [PromptNeed(2, 40)], {})
+    assert p.memory.preempt == [2]
+    assert p.tokens.decode == [1] and p.tokens.chunks == []
+
+
+def test_a_full_host_budget_forces_a_preemption():
+    s = Scheduler(10_000 * COL, 100 * COL, "demote", 8, 256)
+    rows = [_row(1, 50, host=60 * COL, host_next=80 * COL, generated=5),
+            _row(2, 50, host=30 * COL, host_next=40 * COL, generated=20)]
+    p = s.plan(rows, [], [1, 2], [], {})
+    assert p.memory.preempt == [1]  # the one with the fewest generated tokens
+    assert p.tokens.decode == [2]
