@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .common import (EMBEDDED, MODEL_HELP, app, check_json_out, check_limits, console, given_policy_params, int_option,
-                     max_new_or_default, parse_params, run_command, write_json)
+                     parse_params, run_command, write_json)
 
 
 @app.command()
@@ -48,7 +48,9 @@ def serve(
     direct_step: bool = typer.Option(True, help="continuous: step Llama/Qwen2/Qwen3/Mistral models through "
                                                 "kvtier.step.direct (the model's ops without transformers' module "
                                                 "plumbing, checked bit for bit at start); off: the model's forward"),
-    max_new_tokens: Optional[int] = typer.Option(None, help="cap on a request's max_tokens (default 4096 GPU, 512 CPU)"),
+    max_new_tokens: Optional[int] = typer.Option(None, help="cap on a request's max_tokens (default: none beyond "
+                                                            "the model's positions less the prompt, which is also "
+                                                            "the default max_tokens)"),
     max_prompt_tokens: Optional[int] = typer.Option(None, help="longest prompt accepted (default: the model's positions)"),
     request_timeout: float = typer.Option(600.0, help="seconds from arrival; a request still running ends there"),
     reasoning: str = typer.Option("separate", help="separate: <think> text as reasoning_content (DeepSeek's API); inline"),
@@ -77,8 +79,9 @@ def serve(
         _uvicorn()
         params = {**given_policy_params(hbm_ratio=hbm_ratio, evict_ratio=evict_ratio, quant_ratio=quant_ratio,
                                    budget_ratio=budget_ratio), **parse_params(param)}
-        cap = max_new_or_default(max_new_tokens, device)
-        check_limits(model, cap)
+        cap = max_new_tokens
+        if cap is not None:
+            check_limits(model, cap)
         if not 1 <= port <= 65535:
             raise ValueError(f"--port must be an integer in [1, 65535], got {port}")
         import socket

@@ -42,7 +42,9 @@ class ServeSettings:
     served_name: str
     policy: str = "tiered"
     params: dict = field(default_factory=dict)  # the server's default cache parameters (hbm_ratio, ...)
-    max_new_tokens: int = 512
+    # a request's max_tokens cap (--max-new-tokens); None: only the model's positions less the prompt (vLLM's rule:
+    # the deadline and the KV budgets protect the server); the default of a request without max_tokens is that room
+    max_new_tokens: Optional[int] = None
     max_prompt_tokens: Optional[int] = None
     position_limit: Optional[int] = None  # the model's max_position_embeddings
     request_timeout_s: float = 600.0
@@ -64,6 +66,8 @@ class ServeSettings:
         self.full_params = validate_policy(self.policy, self.params)
         for name in ("max_new_tokens", "retry_after_s"):
             v = getattr(self, name)
+            if v is None and name == "max_new_tokens":
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"--{name.replace('_', '-').removesuffix('-s')} must be an integer >= 1, got {v!r}")
         if self.max_prompt_tokens is not None and (not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1):
@@ -153,16 +157,40 @@ def _schemas(settings: ServeSettings):
         seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 64)
         logprobs: Optional[Any] = None
         ignore_eos: bool = False  # vLLM's extension: decode through end-of-sequence tokens up to max_tokens (load tests)
+        min_tokens: Optional[int] = Field(None, ge=0)  # vLLM's extension: no end of sequence before this many tokens
+        # fields that would change the output and are not honoured: a value other than the inert one is a 400
+        # naming the field (UNHONOURED); user, metadata, store and the like change nothing and are ignored
+        logit_bias: Optional[dict] = None
+        response_format: Optional[Any] = None
+        presence_penalty: Optional[float] = None
+        frequency_penalty: Optional[float] = None
+        repetition_penalty: Optional[float] = None
+        top_k: Optional[int] = None
+        min_p: Optional[float] = None
+        best_of: Optional[int] = None
+        top_logprobs: Optional[int] = None
+        prompt_logprobs: Optional[Any] = None
+        guided_json: Optional[Any] = None
+        guided_regex: Optional[Any] = None
+        guided_choice: Optional[Any] = None
+        guided_grammar: Optional[Any] = None
+        structured_outputs: Optional[Any] = None
+        stop_token_ids: Optional[list] = None
+        bad_words: Optional[list] = None
         kvtier: Optional[CacheBlock] = None
 
     class Chat(Common):
         messages: list[Message] = Field(min_length=1, max_length=settings.max_messages)
         max_completion_tokens: Optional[int] = Field(None, ge=1)
         tools: Optional[list] = None
+        tool_choice: Optional[Any] = None
+        functions: Optional[list] = None
+        function_call: Optional[Any] = None
 
     class Completion(Common):
         prompt: str = Field(min_length=1, max_length=1 << 22)
         echo: bool = False
+        suffix: Optional[str] = None
 
     # ---- responses (documented; the routes build plain dicts of these shapes) ----
     class ErrorDetail(BaseModel):
@@ -310,15 +338,22 @@ class Server:
         if room is not None and room < 1:
             raise APIError(400, f"{where}: the prompt is {len(ids)} tokens; the model has {self.s.position_limit} "
                            "positions", where)
-        cap = min(self.s.max_new_tokens, room) if room is not None else self.s.max_new_tokens
+        caps = [c for c in (self.s.max_new_tokens, room) if c is not None]
+        cap = min(caps) if caps else None
         if max_tokens is None:
-            max_tokens = cap
+            max_tokens = cap if cap is not None else UNBOUNDED_DEFAULT_MAX_TOKENS
         elif isinstance(max_tokens, bool) or max_tokens < 1:
             raise APIError(400, f"{limit_name} must be an integer >= 1, got {max_tokens}", limit_name)
-        elif max_tokens > cap:
+        elif cap is not None and max_tokens > cap:
             why = ("--max-new-tokens" if cap == self.s.max_new_tokens else
                    f"the model's {self.s.position_limit} positions minus the {len(ids)}-token prompt")
             raise APIError(400, f"{limit_name} must be <= {cap} ({why}), got {max_tokens}", limit_name)
+        for name, value, inert in _unhonoured(body, chat):
+            raise APIError(400, f"{name} is not supported by kvtier serve (it would change the output; send "
+                           f"{inert} or leave it out)", name)
+        min_tokens = body.min_tokens or 0
+        if min_tokens > max_tokens:
+            raise APIError(400, f"min_tokens must be <= {limit_name} ({max_tokens}), got {min_tokens}", "min_tokens")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > self.s.max_stop or any(not x or len(x) > self.s.max_stop_chars for x in stop):
             raise APIError(400, f"stop must be up to {self.s.max_stop} non-empty strings of at most "
@@ -329,7 +364,7 @@ class Server:
 
         req = GenRequest(prompt_ids=list(ids), max_tokens=int(max_tokens), sink=lambda ev: None, policy=policy,
                          params=params, temperature=float(body.temperature), top_p=float(body.top_p), stop=stop,
-                         seed=body.seed, ignore_eos=bool(body.ignore_eos),
+                         seed=body.seed, ignore_eos=bool(body.ignore_eos), min_tokens=int(min_tokens),
                          deadline=time.monotonic() + self.s.request_timeout_s,
                          separate_reasoning=self.s.reasoning == "separate" and chat,
                          in_think=chat and prompt_opens_think(prompt))
@@ -569,6 +604,46 @@ def create_app(engine: Engine, settings: ServeSettings):
     return app
 
 
+# What a request sent without it would get; a request without max_tokens on a model whose positions are unknown
+UNBOUNDED_DEFAULT_MAX_TOKENS = 4096
+
+# Fields kvtier does not honour that would change the output: (name, whether a value is inert, the inert value as
+# the message names it). Sampling controls beyond temperature and top_p are the subject of their own work.
+UNHONOURED = (
+    ("logit_bias", lambda v: not v, "{}"),
+    ("response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
+    ("presence_penalty", lambda v: not v, "0"),
+    ("frequency_penalty", lambda v: not v, "0"),
+    ("repetition_penalty", lambda v: v is None or v == 1, "1"),
+    ("top_k", lambda v: v is None or v in (0, -1), "-1"),
+    ("min_p", lambda v: not v, "0"),
+    ("best_of", lambda v: v is None or v == 1, "1"),
+    ("top_logprobs", lambda v: not v, "0"),
+    ("prompt_logprobs", lambda v: not v, "null"),
+    ("guided_json", lambda v: v is None, "null"),
+    ("guided_regex", lambda v: v is None, "null"),
+    ("guided_choice", lambda v: v is None, "null"),
+    ("guided_grammar", lambda v: v is None, "null"),
+    ("structured_outputs", lambda v: v is None, "null"),
+    ("stop_token_ids", lambda v: not v, "[]"),
+    ("bad_words", lambda v: not v, "[]"),
+    ("tool_choice", lambda v: v is None or v == "none", '"none"'),
+    ("functions", lambda v: not v, "[]"),
+    ("function_call", lambda v: v is None or v == "none", '"none"'),
+    ("suffix", lambda v: not v, '""'),
+)
+
+
+def _unhonoured(body, chat: bool):
+    """(name, value, the inert value) of each field in ``body`` set to a value kvtier would not honour."""
+    for name, inert, shown in UNHONOURED:
+        if not hasattr(body, name):
+            continue
+        v = getattr(body, name)
+        if not inert(v):
+            yield name, v, shown
+
+
 def _version() -> str:
     from .. import __version__
 
@@ -605,14 +680,18 @@ def _sse(obj) -> str:
 async def _stream(srv: Server, req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, include_usage: bool):
     """Server-sent events for one request; a client that goes away cancels its row (``finally``)."""
     try:
-        if chat:
-            yield _sse(_chunk(srv, rid, chat, role=True))
+        # the role goes out with the first token (as vLLM's first chunk), not before the prefill: the field's
+        # clients time their first chunk as the time to the first token
+        role = chat
         while True:
             ev = await q.get()
             if ev[0] == "delta":
-                yield _sse(_chunk(srv, rid, chat, ev[1], ev[2]))
+                yield _sse(_chunk(srv, rid, chat, ev[1], ev[2], role=role))
+                role = False
             elif ev[0] == "done":
                 usage = dict(ev[2], kvtier=dict(ev[2]["kvtier"], finish_reason=ev[1]))
+                if role:  # no text at all: the role, then the end
+                    yield _sse(_chunk(srv, rid, chat, role=True))
                 yield _sse(_chunk(srv, rid, chat, finish=ev[1]))
                 if include_usage:
                     yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",

@@ -160,9 +160,7 @@ class ContinuousEngine(Engine):
         n = self._next_chunk(row)
         v = row.cache.budget_view(n)
         n_max = len(row.req.prompt_ids) + row.req.max_tokens
-        # a prefilling row under a limit holds its limit beside one chunk (its placement follows each chunk)
-        reserve = max(self._reserve(row.req), n if row.left else 0)
-        return RowNeed(key=row.req.id, next_bytes=v.next_bytes, col_bytes=self.col_bytes, reserve=reserve,
+        return RowNeed(key=row.req.id, next_bytes=v.next_bytes, col_bytes=self.col_bytes, reserve=v.reserve,
                        can_limit=v.can_limit, generated=len(row.generated), arrived=row.req.arrived,
                        host_bytes=v.host_bytes, host_next=v.host_next, t0_limit=v.t0_limit, tokens=v.tokens,
                        peak_bytes=self._peak_bytes(n_max), device_tokens=v.device_tokens)
@@ -171,7 +169,10 @@ class ContinuousEngine(Engine):
         """Tokens the row brings to its next step: one to decode, else (at most) its next prompt chunk."""
         if not row.left:
             return 1
-        return len(row.left) if not row.chunkable else min(len(row.left), self.max_batched_tokens)
+        if not row.chunkable:
+            return len(row.left)
+        cap = self._reserve(row.req) if row.cache.budget_view().t0_limit is not None else self.max_batched_tokens
+        return min(len(row.left), cap)
 
     def _reserve(self, req: GenRequest) -> int:
         return tail_columns(int(req.params.get("retier_interval", TierConfig.retier_interval)))
@@ -187,8 +188,7 @@ class ContinuousEngine(Engine):
         n = self._tokens(req)
         cls = POLICIES[req.policy]
         can_limit = getattr(cls, "family", "") in ("reference", "hierarchy") and req.params.get("rest_tier", "T1") == "T1"
-        # started at a limit, a chunked prompt holds the limit beside one chunk until it is all in
-        reserve = max(self._reserve(req), min(n, self.max_batched_tokens) if self._chunkable(req) else 0)
+        reserve = self._reserve(req)
         return WaitNeed(key=req.id, start_bytes=self._peak_bytes(n + 1), min_bytes=reserve * self.col_bytes,
                         peak_bytes=self._peak_bytes(len(req.prompt_ids) + req.max_tokens),
                         col_bytes=self.col_bytes, reserve=reserve, can_limit=can_limit, tokens=n)
@@ -364,6 +364,11 @@ class ContinuousEngine(Engine):
     def _accept(self, row: _Row, logits: torch.Tensor, greedy: int | None = None) -> None:
         """Draw the row's next token from ``logits`` (1, V) (``greedy``: its first maximum, if taken already) and
         stream it; finish the row if it is done. Sampling runs on float32 logits."""
+        if len(row.generated) < row.req.min_tokens and self.eos and not row.req.ignore_eos:
+            # min_tokens: the end-of-sequence tokens cannot be drawn yet (their logits masked, as vLLM does)
+            logits = logits.float().clone()
+            logits[:, sorted(self.eos)] = float("-inf")
+            greedy = None
         if row.sampler is None:
             tok = int(logits.float().argmax(dim=-1)) if greedy is None else greedy
         else:

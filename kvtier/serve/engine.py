@@ -178,6 +178,7 @@ class GenRequest:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None  # sampling: the row's own generator (None: a fresh random seed)
     ignore_eos: bool = False  # decode through end-of-sequence tokens (they are not sent), up to max_tokens
+    min_tokens: int = 0  # no end-of-sequence token is drawn before this many tokens (vLLM's min_tokens)
     deadline: float = float("inf")  # time.monotonic() after which the request ends with "timeout"
     separate_reasoning: bool = True
     in_think: bool = False
@@ -189,7 +190,8 @@ class GenRequest:
         """Requests share a batch only if they share one cache object's settings and one sampler."""
         sampled = self.temperature > 0
         return (self.policy, tuple(sorted((k, repr(v)) for k, v in self.params.items())),
-                float(self.temperature) if sampled else 0.0, float(self.top_p) if sampled else 1.0, self.ignore_eos)
+                float(self.temperature) if sampled else 0.0, float(self.top_p) if sampled else 1.0, self.ignore_eos,
+                self.min_tokens)
 
     def cancel(self) -> None:
         """The client went away: the row is masked at the next step, or the request leaves the wait list."""
@@ -473,6 +475,9 @@ class Engine:
             gen.update(do_sample=False, temperature=None, top_p=None, top_k=None)
             if batch[0].ignore_eos:  # generate's own end-of-sequence check would stop the rows (_Rows decides)
                 gen["eos_token_id"] = None
+            elif batch[0].min_tokens:  # transformers' own processor masks the end-of-sequence tokens until then
+                gen["min_new_tokens"] = batch[0].min_tokens
+                gen["eos_token_id"] = sorted(self.eos)
             if batch[0].temperature > 0:  # each row samples from its own seed: what it would draw alone
                 import random
 

@@ -195,6 +195,7 @@ class PromptNeed:
     key: int
     left: int  # prompt tokens not yet prefilled (and, after a preemption, what the row had generated)
     chunkable: bool = True  # False: its cache takes the prompt whole (a head-wise baseline, a hybrid model)
+    max_chunk: int | None = None  # a row under a T0 limit: at most its tail reserve a step (limit + reserve fit)
 
 
 @dataclass
@@ -228,7 +229,7 @@ def plan_tokens(decoding: list[int], prefilling: list[PromptNeed], joining: list
             if p.left < 1:
                 raise ValueError(f"request {p.key}: a prompt with nothing left to prefill is not prefilling")
             if p.chunkable:
-                n = min(p.left, room)
+                n = min(p.left, room, p.max_chunk if p.max_chunk is not None else room)
             else:
                 n = p.left if p.left <= room or not plan.chunks else 0
             if n <= 0:
@@ -272,6 +273,19 @@ class Scheduler:
         else:
             memory = decide(rows, waiting, self.budget, self.host_budget, self.mode, self.max_rows)
         gone = set(memory.preempt)
-        tokens = plan_tokens([k for k in decoding if k not in gone], [p for p in prefilling if p.key not in gone],
-                             [prompts[k] for k, _ in memory.admit], self.max_batched_tokens)
+        # a prompt prefilled under a T0 limit (set now or before) takes chunks of at most its tail reserve: the
+        # device then holds its limit beside one reserve, the bytes the decision counted for it
+        by_key = {r.key: r for r in rows}
+        limited = {k for k, r in by_key.items() if r.t0_limit is not None}
+        limited = (limited | {k for k, t in memory.limits.items() if t is not None}) - {
+            k for k, t in memory.limits.items() if t is None}
+        reserves = {w.key: w.reserve for w in waiting}
+
+        def capped(p: PromptNeed, limit: bool, reserve: int) -> PromptNeed:
+            return PromptNeed(p.key, p.left, p.chunkable, max(1, reserve)) if limit and p.chunkable else p
+
+        running = [capped(p, p.key in limited, by_key[p.key].reserve if p.key in by_key else 0)
+                   for p in prefilling if p.key not in gone]
+        joining = [capped(prompts[k], t0 is not None, reserves.get(k, 0)) for k, t0 in memory.admit]
+        tokens = plan_tokens([k for k in decoding if k not in gone], running, joining, self.max_batched_tokens)
         return Plan(memory=memory, tokens=tokens)

@@ -692,3 +692,23 @@ def test_kernel_rows_share_one_call_and_attend_as_alone(tiny, monkeypatch):
                 lengths = [1] * len(rows)
     # the later layers took layer 0's column and mask on most steps, and their own path where the buffers grew
     assert sum(lanes) > len(lanes) // 2 and not all(lanes), lanes
+
+
+def test_demoted_and_promoted_counters_equal_the_moved_bytes_over_a_pressure_run(tiny):
+    """kvtier_demoted_tokens / promoted count every token-column moved between the device and T1 (at admission,
+    limit changes and reassignments): over a demoting run they equal the caches' moved bytes divided by the bytes a
+    token takes (all layers, K and V)."""
+    model, tok = tiny
+    probe = _engine(model, tok)
+    probe.shutdown(grace_s=0)
+    reqs = [_req(_prompt(tok, 20 + i, 30), 60, "full" if i % 2 == 0 else "tiered", {} if i % 2 == 0 else NO_EVICT)
+            for i in range(6)]
+    eng = _engine(model, tok, device_kv_budget=_budget_for(probe, 2, 30 + 60))
+    _run_trace(eng, reqs, gap=0)
+    m = eng.metrics
+    eng.shutdown(grace_s=1)
+    assert m.demoted_tokens > 0 and m.budget_violations == 0
+    moved = sum(r.sink.end[2]["kvtier"]["moved_bytes"] for r in reqs)
+    assert moved == m.moved_bytes
+    assert (m.demoted_tokens + m.promoted_tokens) * eng.col_bytes == m.moved_bytes
+    assert sum(r.sink.end[2]["kvtier"]["demoted_tokens"] for r in reqs) == m.demoted_tokens

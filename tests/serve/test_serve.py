@@ -323,6 +323,13 @@ def test_chat_and_completions_streamed_equal_whole_equal_generate(server, tiny):
     ({"messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "n must be 1"),
     ({"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "model"),
     ([1, 2], 400, "JSON object"),
+    # output-changing fields kvtier does not honour: one 400 naming each (never silently dropped)
+    ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, 400, "logit_bias is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
+     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_k": 20}, 400, "top_k is not supported"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "min_tokens": 8}, 400, "min_tokens must be <="),
 ])
 def test_bad_input_is_one_clear_error_and_the_server_keeps_serving(server, body, status, needle):
     import httpx
@@ -336,6 +343,55 @@ def test_bad_input_is_one_clear_error_and_the_server_keeps_serving(server, body,
     ok = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 2},
                     timeout=30)
     assert ok.status_code == 200 and proc.poll() is None
+
+
+def test_fields_that_change_nothing_are_accepted_and_inert_values_too(server):
+    """user, metadata, store and the inert values of unhonoured fields (top_k -1, penalties 0, a text
+    response_format) are accepted as OpenAI and vLLM clients send them."""
+    import httpx
+
+    proc, url = server
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "user": "u1", "metadata": {"a": "b"},
+            "store": False, "top_k": -1, "presence_penalty": 0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+            "response_format": {"type": "text"}, "logit_bias": {}}
+    r = httpx.post(url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_min_tokens_holds_the_end_of_sequence_back(server, tiny):
+    """min_tokens (vLLM's extension): no end of sequence before that many tokens; a prompt whose greedy answer ends
+    after a few tokens runs to min_tokens instead (and, past it, may end)."""
+    import httpx
+
+    proc, url = server
+    model, tok = tiny
+    short = None
+    for i in range(200):  # a prompt whose greedy continuation ends early
+        raw = f"q{i} " * 3
+        r = httpx.post(url + "/v1/completions", json={"prompt": raw, "max_tokens": 40, "temperature": 0}, timeout=30)
+        u = r.json()["usage"]
+        if r.json()["choices"][0]["finish_reason"] == "stop" and u["completion_tokens"] < 10:
+            short = raw
+            break
+    assert short is not None
+    r = httpx.post(url + "/v1/completions", json={"prompt": short, "max_tokens": 40, "temperature": 0,
+                                                  "min_tokens": 20}, timeout=30)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 20
+
+
+def test_a_streamed_first_chunk_carries_the_first_token(server):
+    """The first SSE chunk goes out with the first token (role and content together), after the prefill, as vLLM's
+    does: a client that times its first chunk measures the time to the first token."""
+    import httpx
+
+    proc, url = server
+    body = {"messages": [{"role": "user", "content": "Tell me a story " * 20}], "max_tokens": 8, "temperature": 0,
+            "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=60) as r:
+        lines = [x for x in r.iter_lines() if x.startswith("data: ") and x != "data: [DONE]"]
+    first = json.loads(lines[0][6:])["choices"][0]["delta"]
+    assert first.get("role") == "assistant" and (first.get("content") or first.get("reasoning_content"))
+    assert sum(1 for x in lines if '"role"' in x) == 1
 
 
 def _metrics(url) -> dict[str, float]:
