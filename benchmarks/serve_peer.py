@@ -181,8 +181,8 @@ def start(system: str, args, port: int, log) -> tuple[subprocess.Popen, str, dic
         cmd += ["--on-pressure", pressure]
         if args.device_kv_budget:
             cmd += ["--device-kv-budget", args.device_kv_budget]
-        if args.prefill_tokens:
-            cmd += ["--prefill-tokens", str(args.prefill_tokens)]
+        if args.max_batched_tokens:
+            cmd += ["--max-batched-tokens", str(args.max_batched_tokens)]
     if policy != "full":
         cmd += ["--hbm-ratio", str(args.hbm_ratio), "--evict-ratio", str(args.evict_ratio)]
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True), "m", extra
@@ -231,7 +231,8 @@ def main() -> None:
     ap.add_argument("--hbm-ratio", type=float, default=0.3)
     ap.add_argument("--evict-ratio", type=float, default=0.03)
     ap.add_argument("--device-kv-budget", default=None, help="kvtier --device-kv-budget for every kvtier system")
-    ap.add_argument("--prefill-tokens", type=int, default=0, help="kvtier --prefill-tokens (0: the server's default)")
+    ap.add_argument("--max-batched-tokens", type=int, default=0,
+                    help="kvtier --max-batched-tokens (0: the server's default)")
     ap.add_argument("--vllm-python", default="python")
     ap.add_argument("--vllm-kv-gib", type=int, default=2)
     ap.add_argument("--vllm-blocks", type=int, default=0, help="--num-gpu-blocks-override (a KV budget in blocks)")
@@ -271,7 +272,7 @@ def main() -> None:
     meta = {"cpu": cpu_info(), "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
             "command": " ".join(sys.argv), "max_tokens": args.max_tokens, "per_client": args.per_client,
             "ignore_eos": args.ignore_eos, "device_kv_budget": args.device_kv_budget, "vllm_blocks": args.vllm_blocks,
-            "vllm_block_size": args.vllm_block_size or None, "prefill_tokens": args.prefill_tokens or None,
+            "vllm_block_size": args.vllm_block_size or None, "max_batched_tokens": args.max_batched_tokens or None,
             "KVTIER_LINEAR": os.environ.get("KVTIER_LINEAR"), "prompt_tokens": args.prompt_tokens or None,
             "prompt_lengths": None if lengths is None else [min(lengths), max(lengths)]}
     (args.out / f"meta{'_' + re.sub(r'[^A-Za-z0-9_.-]', '_', args.label) if args.label else ''}.json").write_text(

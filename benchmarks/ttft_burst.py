@@ -159,7 +159,8 @@ def main() -> None:
         for rep in range(a.reps):
             order = settings[rep % len(settings):] + settings[: rep % len(settings)]
             for p in order:
-                eng.prefill_tokens = p
+                # the step's token budget (--max-batched-tokens; this script's --prefill-tokens predates chunking)
+                eng.max_batched_tokens = eng.scheduler.max_batched_tokens = p
                 r = burst(eng, ids, a.max_tokens)
                 runs[p].append(r)
                 print(json.dumps({"prefill_tokens": p, "rep": rep, "ttft_p50_s": q(r["ttft_s"], 0.5),
