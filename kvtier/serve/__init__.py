@@ -14,7 +14,7 @@ import logging
 import os
 
 from .continuous import ContinuousEngine
-from .engine import Engine, EngineConfig, GenRequest, NeverFits, QueueFull, ShuttingDown
+from .engine import Engine, EngineBase, EngineConfig, GenRequest, NeverFits, QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def _uvicorn():
     return uvicorn
 
 
-def make_engine(model, tokenizer, cfg: EngineConfig | None = None) -> Engine:
+def make_engine(model, tokenizer, cfg: EngineConfig | None = None) -> EngineBase:
     """The engine ``cfg.scheduler`` names: continuous batching (the default) or static batches."""
     cfg = cfg or EngineConfig()
     return (Engine if cfg.scheduler == "static" else ContinuousEngine)(model, tokenizer, cfg)
@@ -110,5 +110,5 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
             signal.signal(s, h)
 
 
-__all__ = ["ContinuousEngine", "Engine", "EngineConfig", "GenRequest", "NeverFits", "QueueFull", "ShuttingDown", "make_engine",
+__all__ = ["ContinuousEngine", "Engine", "EngineBase", "EngineConfig", "GenRequest", "NeverFits", "QueueFull", "ShuttingDown", "make_engine",
            "quiet_tokenizer_threads", "serve"]

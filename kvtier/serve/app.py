@@ -1,4 +1,4 @@
-"""HTTP side of ``kvtier serve`` (imports fastapi: only loaded with the ``serve`` extra): OpenAI-compatible routes over an :class:`~kvtier.serve.engine.Engine`.
+"""HTTP side of ``kvtier serve`` (imports fastapi: only loaded with the ``serve`` extra): OpenAI-compatible routes over an engine (:class:`~kvtier.serve.engine.EngineBase`).
 
 ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream: true`` = server-sent events in OpenAI's chunk
 format, ``data: [DONE]`` last), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
@@ -30,7 +30,7 @@ from fastapi.exceptions import HTTPException, RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from .engine import Engine, GenRequest, NeverFits, QueueFull, ShuttingDown
+from .engine import EngineBase, GenRequest, NeverFits, QueueFull, ShuttingDown
 
 log = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ def _schemas(settings: ServeSettings):
 class Server:
     """Turns HTTP bodies into engine requests and engine events into OpenAI responses."""
 
-    def __init__(self, engine: Engine, settings: ServeSettings):
+    def __init__(self, engine: EngineBase, settings: ServeSettings):
         self.engine, self.s = engine, settings
         self.tok = engine.tokenizer
         self.draining = False
@@ -475,7 +475,7 @@ class _BodyLimit:
         return await self.app(scope, limited, send)
 
 
-def create_app(engine: Engine, settings: ServeSettings):
+def create_app(engine: EngineBase, settings: ServeSettings):
     """The FastAPI application (``engine`` is started on startup and shut down, gracefully, on shutdown)."""
     from contextlib import asynccontextmanager
 

@@ -41,7 +41,8 @@ from ..config import TierConfig
 from ..step.decode import step_for
 from ..step.direct import rows_logits
 from ..tiers.layout import grown_capacity
-from .engine import Engine, GenRequest, NeverFits, _safe_sink
+from .engine import EngineBase, GenRequest, NeverFits
+from .output import RowOutput, safe_sink
 from .scheduler import Plan, PromptNeed, RowNeed, Scheduler, WaitNeed
 
 log = logging.getLogger(__name__)
@@ -50,15 +51,11 @@ log = logging.getLogger(__name__)
 class _Row:
     """One running request: its cache, its text state, its sampler and what it generated."""
 
-    def __init__(self, req: GenRequest, tokenizer) -> None:
-        from .text import Assembler, Detokenizer
-
+    def __init__(self, req: GenRequest, tokenizer, eos: set[int]) -> None:
         self.req = req
         self.cache = None
-        self.detok = Detokenizer(tokenizer)
-        self.text = Assembler(req.stop, req.separate_reasoning, req.in_think)
+        self.out = RowOutput(req, tokenizer, eos)  # its text, stop strings and ending (as the static engine's rows)
         self.generated: list[int] = []  # every token drawn (an end-of-sequence token included)
-        self.done = False
         self.sampler = None
         if req.temperature > 0:
             from ..eval.sampling import RowSampler
@@ -75,8 +72,12 @@ class _Row:
         self.left: list[int] = []  # prompt tokens (and, after a preemption, generated ones) not yet prefilled
         self.chunkable = True  # its cache takes the prompt in chunks (else whole, in one step)
 
+    @property
+    def done(self) -> bool:
+        return self.out.done
 
-class ContinuousEngine(Engine):
+
+class ContinuousEngine(EngineBase):
     """Continuous batching over one-row caches, admitted under ``cfg.device_kv_budget`` (see the module doc)."""
 
     def __init__(self, model, tokenizer, cfg=None):
@@ -126,7 +127,7 @@ class ContinuousEngine(Engine):
                 hook, self._loop_hook = self._loop_hook, None
                 if hook is not None:  # tests: run something on this thread, between two steps
                     hook()
-                self._drop_gone()
+                self._expire_waiting()
                 plan = self._schedule()
                 if plan is not None and plan.tokens.tokens:
                     self._step(plan)
@@ -139,20 +140,14 @@ class ContinuousEngine(Engine):
             if not self.rows and not self.waiting:
                 gc.collect()  # idle: the released caches' objects go too (live caches back to 0)
 
-    def _drop_gone(self) -> None:
-        now = time.monotonic()
-        with self._cv:
-            gone = [r for r in self.waiting if r.cancelled or now > r.deadline or self.cancel_all]
-            for r in gone:
-                self.waiting.remove(r)
-        for r in gone:
-            row = self._resumed.pop(r.id, None)
-            if row is not None:  # a preempted request (still counted running): it has streamed, so it ends as a row
-                self.rows.append(row)
-                self._finish(row, "cancelled" if r.cancelled or self.cancel_all else "timeout")
-            elif not r.cancelled:
-                _safe_sink(r, ("error", 504 if now > r.deadline else 503, "the request timed out while waiting"
-                               if now > r.deadline else "the server shut down before this request started"))
+    def _ended_waiting(self, r: GenRequest, now: float) -> bool:
+        row = self._resumed.pop(r.id, None)
+        if row is None:
+            return False
+        # a preempted request (still counted running): it has streamed, so it ends as a row
+        self.rows.append(row)
+        self._finish(row, "cancelled" if r.cancelled or self.cancel_all else "timeout")
+        return True
 
     # ---- scheduling ---------------------------------------------------------------------------------
     def _row_need(self, row: _Row) -> RowNeed:
@@ -257,7 +252,7 @@ class ContinuousEngine(Engine):
             with self._cv:
                 self._remove_waiting(r)
             self._resumed.pop(r.id, None)
-            _safe_sink(r, ("error", 400, self._never_fits(r, self._wait_need(r))))
+            safe_sink(r, ("error", 400, self._never_fits(r, self._wait_need(r))))
         limits = dict(d.admit)
         for key in plan.tokens.joined:
             r = reqs[key]
@@ -283,7 +278,7 @@ class ContinuousEngine(Engine):
         row = self._resumed.pop(req.id, None)
         resumed = row is not None
         if row is None:
-            row = _Row(req, self.tokenizer)
+            row = _Row(req, self.tokenizer, self.eos)
             self._running += 1
         row.waited += time.monotonic() - row.queued_at
         self.rows.append(row)
@@ -378,37 +373,16 @@ class ContinuousEngine(Engine):
         if not row.first_token:
             row.first_token = True
             self.metrics.observe_ttft(now - row.req.arrived)
-        r = row.req
-        if tok in self.eos and not r.ignore_eos:
-            return self._finish(row, "stop")
-        piece = row.detok.push(tok)
-        if piece:
-            self._send(row, piece)
-        if row.done:  # a stop string
-            return
-        if len(row.detok.ids) >= r.max_tokens:
-            self._finish(row, "length")
-        elif r.cancelled or self.cancel_all:
-            self._finish(row, "cancelled")
-        elif now > r.deadline:
-            self._finish(row, "timeout")
-
-    def _send(self, row: _Row, piece: str, final: bool = False) -> None:
-        content, reasoning = row.text.feed(piece, final=final)
-        if content or reasoning:
-            _safe_sink(row.req, ("delta", content, reasoning))
-        if row.text.stopped and not row.done:
-            self._finish(row, "stop")
+        reason = row.out.push(tok, now, self.cancel_all)
+        if reason is not None:
+            self._finish(row, reason)
 
     def _usage(self, row: _Row) -> dict:
         r, c = row.req, row.cache
-        n = len(row.generated)
         st = c.stats() if c is not None else {"transfer": {}}
         tr = st.get("transfer", {})
         return {
-            "prompt_tokens": len(r.prompt_ids),
-            "completion_tokens": n,
-            "total_tokens": len(r.prompt_ids) + n,
+            **row.out.usage(),
             "kvtier": {
                 "policy": r.policy,
                 "params": dict(r.params),
@@ -431,20 +405,16 @@ class ContinuousEngine(Engine):
     def _finish(self, row: _Row, reason: str) -> None:
         if row.done:
             return
-        row.done = True
-        if reason != "cancelled" and not row.text.stopped:
-            self._send(row, row.detok.flush(), final=True)
         usage = self._usage(row)
         self.metrics.finished[reason] += 1
         self._release(row)
-        _safe_sink(row.req, ("done", reason, usage))
+        row.out.finish(reason, usage)
 
     def _fail(self, row: _Row, e: Exception) -> None:
         if row.done:
             return
-        row.done = True
         self._release(row)
-        _safe_sink(row.req, ("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+        row.out.fail(500, f"generation failed: {type(e).__name__}: {e}")
 
     def _release(self, row: _Row) -> None:
         """The row's slot and bytes are free now (its cache's buffers dropped, not left to the collector)."""
@@ -494,6 +464,7 @@ class ContinuousEngine(Engine):
         m.device_kv_bytes_now = total
         m.device_kv_peak = max(m.device_kv_peak, total)
         m.host_kv_bytes_now = host
+        m.host_kv_peak = max(m.host_kv_peak, host)
         m.kv_bytes = {("T0", "device"): total, ("T1", "host"): host, ("T2", "host"): 0} if self.rows else {}
         if self.budget is not None and total > self.budget:
             m.budget_violations += 1

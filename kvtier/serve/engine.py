@@ -1,4 +1,7 @@
-"""The serving engine: a bounded wait list, batches formed from it, one generation thread owning the model.
+"""The engines' common ground (:class:`EngineBase`: a bounded wait list, one generation thread owning the model, submit / cancel / shutdown) and the static engine (:class:`Engine`: batches through generate).
+
+The continuous engine (:mod:`kvtier.serve.continuous`, the default) is the other sibling of :class:`EngineBase`;
+both send each request's text and ending through a :class:`~kvtier.serve.output.RowOutput`.
 
 No HTTP here (that is :mod:`kvtier.serve.app`): requests come in as :class:`GenRequest`, and each one's events go
 to its ``sink`` callable, from the generation thread:
@@ -31,6 +34,7 @@ from typing import Any, Callable
 import torch
 
 from .metrics import Metrics
+from .output import RowOutput, safe_sink
 
 log = logging.getLogger(__name__)
 
@@ -205,17 +209,18 @@ def _kv_by_location(stats: dict) -> dict[tuple[str, str], int]:
 
 
 class _Rows:
-    """The batch's rows, stepped by generate: a ``StoppingCriteria`` (``(input_ids, scores) -> done (B,)``)."""
+    """The batch's rows, stepped by generate: a ``StoppingCriteria`` (``(input_ids, scores) -> done (B,)``); each
+    row's text and ending is its :class:`~kvtier.serve.output.RowOutput` (the continuous engine's rows use it too)."""
 
     def __init__(self, engine: "Engine", batch: list[GenRequest], cache, eos: set[int]):
-        from .text import Assembler, Detokenizer
-
-        self.engine, self.batch, self.cache, self.eos = engine, batch, cache, eos
-        self.detok = [Detokenizer(engine.tokenizer) for _ in batch]
-        self.text = [Assembler(r.stop, r.separate_reasoning, r.in_think) for r in batch]
-        self.done = [False] * len(batch)
+        self.engine, self.batch, self.cache = engine, batch, cache
+        self.outs = [RowOutput(r, engine.tokenizer, eos) for r in batch]
         self.steps = 0
         self.last = {"streamed": 0, "moved": 0, "retiers": 0}
+
+    @property
+    def done(self) -> list[bool]:
+        return [o.done for o in self.outs]
 
     def __call__(self, input_ids: torch.Tensor, scores=None, **kw) -> torch.Tensor:
         new = input_ids[:, -1].tolist()  # the tokens go to the host anyway: they are streamed
@@ -226,52 +231,26 @@ class _Rows:
             for r in self.batch:
                 m.observe_ttft(now - r.arrived)
         produced = 0
-        for i, r in enumerate(self.batch):
-            if self.done[i]:
+        for i, out in enumerate(self.outs):
+            if out.done:
                 continue
-            tok = new[i]
             produced += 1
-            if tok in self.eos and not r.ignore_eos:
-                self._finish(i, "stop", counted=1)
-                continue
-            piece = self.detok[i].push(tok)
-            if piece:
-                self._send(i, piece)
-            if self.done[i]:  # a stop string
-                continue
-            n = len(self.detok[i].ids)
-            if n >= r.max_tokens:
-                self._finish(i, "length")
-            elif r.cancelled or self.engine.cancel_all:
-                self._finish(i, "cancelled")
-            elif now > r.deadline:
-                self._finish(i, "timeout")
+            reason = out.push(new[i], now, self.engine.cancel_all)
+            if reason is not None:
+                self._finish(i, reason)
         m.add_tokens(produced)
         if self.steps % self.engine.cfg.stats_every == 0:
             self._update_metrics()
         return torch.tensor(self.done, dtype=torch.bool, device=input_ids.device)
 
-    def _send(self, i: int, piece: str, final: bool = False) -> None:
-        asm = self.text[i]
-        content, reasoning = asm.feed(piece, final=final)
-        if content or reasoning:
-            _safe_sink(self.batch[i], ("delta", content, reasoning))
-        if asm.stopped and not self.done[i]:
-            self._finish(i, "stop")
-
-    def _finish(self, i: int, reason: str, counted: int = 0) -> None:
-        if self.done[i]:
+    def _finish(self, i: int, reason: str) -> None:
+        out = self.outs[i]
+        if out.done:
             return
-        self.done[i] = True
         r = self.batch[i]
-        if reason != "cancelled" and not self.text[i].stopped:
-            self._send(i, self.detok[i].flush(), final=True)
         stats = self.cache.stats()
-        n = len(self.detok[i].ids) + counted
         usage = {
-            "prompt_tokens": len(r.prompt_ids),
-            "completion_tokens": n,
-            "total_tokens": len(r.prompt_ids) + n,
+            **out.usage(),
             "kvtier": {
                 "policy": r.policy,
                 "params": dict(r.params),
@@ -287,7 +266,7 @@ class _Rows:
         }
         self.engine.metrics.finished[reason] += 1
         self.engine._running -= 1
-        _safe_sink(r, ("done", reason, usage))
+        out.finish(reason, usage)
 
     def _update_metrics(self, final: bool = False) -> None:
         s = self.cache.stats()
@@ -302,8 +281,11 @@ class _Rows:
         self.last = now
 
 
-class Engine:
-    """Owns the model: a wait list bounded by ``max_queue``, batches of up to ``max_batch``, one worker thread."""
+class EngineBase:
+    """What both engines share: the model, a wait list bounded by ``max_queue``, one generation thread, submit /
+    cancel / shutdown, the metrics. The thread's loop is the engine's own (:class:`Engine`: static batches through
+    generate; :class:`kvtier.serve.continuous.ContinuousEngine`: continuous batching); each request's output goes
+    through a :class:`~kvtier.serve.output.RowOutput` in both."""
 
     def __init__(self, model, tokenizer, cfg: EngineConfig | None = None):
         from ..cache.sliding import layer_plan
@@ -330,10 +312,6 @@ class Engine:
             self.eos.add(int(tokenizer.eos_token_id))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(self.eos or {0})
         self.budget = self.host_budget = None
-
-    def describe(self) -> str:
-        """The startup line's account of how this engine schedules."""
-        return f"scheduler static (batches of up to {self.cfg.max_batch} through generate)"
 
     # ---- the server's side ---------------------------------------------------------------------------
     @property
@@ -410,9 +388,44 @@ class Engine:
         with self._cv:
             left, self.waiting = list(self.waiting), deque()
         for r in left:
-            _safe_sink(r, ("error", 503, "the server shut down before this request started"))
+            safe_sink(r, ("error", 503, "the server shut down before this request started"))
         if self._thread is not None:
             self._thread.join(timeout=30)
+
+    def describe(self) -> str:
+        """The startup line's account of how this engine schedules."""
+        raise NotImplementedError
+
+    def _expire_waiting(self) -> None:
+        """Take cancelled and expired requests off the wait list (and all of them once shutdown cancels); each one
+        not cancelled by its client gets its error event (504 timed out, 503 shutdown), unless
+        :meth:`_ended_waiting` ends it otherwise."""
+        now = time.monotonic()
+        with self._cv:
+            gone = [r for r in self.waiting if r.cancelled or now > r.deadline or self.cancel_all]
+            for r in gone:
+                self.waiting.remove(r)
+        for r in gone:
+            if not self._ended_waiting(r, now) and not r.cancelled:
+                safe_sink(r, ("error", 504 if now > r.deadline else 503, "the request timed out while waiting"
+                              if now > r.deadline else "the server shut down before this request started"))
+
+    def _ended_waiting(self, r: GenRequest, now: float) -> bool:
+        """A request left the wait list cancelled or expired: True if the engine ended it itself (the continuous
+        engine's preempted rows, which have streamed already)."""
+        return False
+
+    def _loop(self) -> None:
+        """The generation thread's loop, after :meth:`_prepared`; returns when the engine stops."""
+        raise NotImplementedError
+
+
+class Engine(EngineBase):
+    """The static engine: batches of up to ``max_batch`` requests with one cache and sampler through generate (see
+    the module doc); ``--scheduler static``."""
+
+    def describe(self) -> str:
+        return f"scheduler static (batches of up to {self.cfg.max_batch} through generate)"
 
     # ---- the generation thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -429,13 +442,9 @@ class Engine:
                 self._run(batch)
 
     def _take(self) -> list[GenRequest]:
-        now = time.monotonic()
+        self._expire_waiting()
         with self._cv:
-            keep: deque[GenRequest] = deque()
-            gone = []
-            for r in self.waiting:
-                (gone if r.cancelled or now > r.deadline or self.cancel_all else keep).append(r)
-            self.waiting = keep
+            keep = self.waiting
             if not keep:
                 batch = []
             else:
@@ -444,10 +453,6 @@ class Engine:
                 ids = {r.id for r in batch}
                 self.waiting = deque(r for r in keep if r.id not in ids)
             self._running += len(batch)
-        for r in gone:
-            if not r.cancelled:
-                _safe_sink(r, ("error", 504 if now > r.deadline else 503, "the request timed out while waiting"
-                               if now > r.deadline else "the server shut down before this request started"))
         return batch
 
     def _run(self, batch: list[GenRequest]) -> None:
@@ -498,19 +503,13 @@ class Engine:
         except Exception as e:  # a failed batch ends its rows with an error; the server goes on
             log.exception("generation failed for a batch of %d", len(batch))
             for i, r in enumerate(batch):
-                if rows is None or not rows.done[i]:
-                    if rows is not None:
-                        rows.done[i] = True
+                if rows is None or rows.outs[i].fail(500, f"generation failed: {type(e).__name__}: {e}"):
                     self._running -= 1
-                    _safe_sink(r, ("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+                    if rows is None:
+                        safe_sink(r, ("error", 500, f"generation failed: {type(e).__name__}: {e}"))
             self.metrics.kv_bytes = {}
         finally:
             rows = cache = None  # noqa: F841  (drop the batch's KV before the next one is built)
             gc.collect()
 
 
-def _safe_sink(r: GenRequest, event: tuple) -> None:
-    try:
-        r.sink(event)
-    except Exception:  # the client's loop is gone
-        log.debug("request %d: event dropped", r.id)

@@ -34,6 +34,7 @@ class Metrics:
         self.device_kv_bytes_now = 0
         self.device_kv_peak = 0
         self.host_kv_bytes_now = 0
+        self.host_kv_peak = 0  # the most T1/T2 bytes the running rows held after any step
         self.budget_violations = 0  # steps that ended over the budget (0 unless the accounting is wrong)
         self.demoted_tokens = 0
         self.promoted_tokens = 0
@@ -98,6 +99,9 @@ def _collector(srv):
                                     value=m.device_kv_bytes_now)
             yield GaugeMetricFamily("kvtier_device_kv_peak_bytes", "highest device K/V after any prefill or step",
                                     value=m.device_kv_peak)
+            yield GaugeMetricFamily("kvtier_host_kv_peak_bytes", "highest host K/V (T1/T2) of the running rows after "
+                                    "any step: the host memory a result at a device budget also used",
+                                    value=m.host_kv_peak)
             yield CounterMetricFamily("kvtier_demoted_tokens", "token-columns moved from the device to T1 (at "
                                       "admission, limit changes and reassignments; counted when a row's cache is "
                                       "released)", value=m.demoted_tokens)
