@@ -41,9 +41,8 @@ def serve(
                                                    "memory, exact), queue (admit at peak only), recompute (preempt)"),
     max_batched_tokens: Optional[int] = typer.Option(None, help="continuous: tokens one step carries, the running "
                                                                 "rows' one each first, then prompt chunks (a longer "
-                                                                "prompt is prefilled over several steps; default: "
-                                                                "1024 on CPUs with AMX, 512 on other CPUs, 2048 on "
-                                                                "CUDA; printed at startup)"),
+                                                                "prompt is prefilled over several steps; default "
+                                                                "2048, vLLM's; printed at startup)"),
     prefill_tokens: Optional[int] = typer.Option(None, hidden=True, help="replaced by --max-batched-tokens"),
     direct_step: bool = typer.Option(True, help="continuous: step Llama/Qwen2/Qwen3/Mistral models through "
                                                 "kvtier.step.direct (the model's ops without transformers' module "

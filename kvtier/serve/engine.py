@@ -54,25 +54,19 @@ class NeverFits(Exception):
 
 # The continuous engine plans each step by tokens (kvtier.serve.scheduler): running rows decode first, then prompt
 # chunks fill up to max_batched_tokens, so a decoding row never waits behind more than that many prompt tokens (a
-# prompt longer than it is prefilled over several steps). Larger steps prefill faster (a burst's last first token
-# comes sooner); smaller ones keep every decoding row's inter-token gap short. Whole prompts measured before chunking
-# (a step of whole prompts up to N tokens): on AMX the packed prefill held its rate to 4096 tokens, 738 tokens took
-# ~450 ms (benchmarks/results/serve_prefill_tokens_2026-12-05_xeon_amx/); on the AVX-512 EPYC the MLP's product ran
-# ~960 GFLOP/s to 1024 rows and ~720 at 2048 (serve_prefill_tokens_2026-12-04_epyc_avx512bf16/). The defaults keep a
-# step carrying a full chunk near half a second on those CPUs: 1024 tokens with AMX, 512 elsewhere (CUDA: 2048, as
-# vLLM's default for a small model; unmeasured here). `kvtier serve` prints the value at startup.
-BATCHED_TOKENS_AMX = 1024
-BATCHED_TOKENS_CPU = 512
-BATCHED_TOKENS_CUDA = 2048
+# prompt longer than it is prefilled over several steps). Larger steps prefill faster and let a burst of arrivals
+# start together (rows admitted early decode between the burst's chunks: with 32 x 256-token prompts arriving at
+# once, 1024-token steps gave the early rows ~7 waits of a whole step each, 2048-token steps ~3, and the ITL p99
+# of vLLM's client at 32 clients went with them: 658 ms at 1024 vs vLLM's 113 at its 2048, 2-core Xeon with AMX,
+# 0.5B bf16, 2026-12-07); smaller steps bound a long prompt's stall of the decoding rows tighter. The default is
+# vLLM's own for its API server on a CPU (and on GPUs below 70 GB): 2048. `kvtier serve` prints it at startup.
+BATCHED_TOKENS = 2048
 
 
 def default_batched_tokens(device: torch.device | str = "cpu") -> int:
-    """``--max-batched-tokens`` when not given (see the note above)."""
-    from ..step.cpu import cpu_amx
-
-    if torch.device(device).type != "cpu":
-        return BATCHED_TOKENS_CUDA
-    return BATCHED_TOKENS_AMX if cpu_amx() else BATCHED_TOKENS_CPU
+    """``--max-batched-tokens`` when not given (see the note above): 2048 on every device for now (measured on a
+    CPU only)."""
+    return BATCHED_TOKENS
 
 
 @dataclass

@@ -347,20 +347,16 @@ def test_a_long_prompt_joins_in_chunks_and_every_running_row_advances_each_step(
         assert r.sink.end[0] == "done" and r.sink.text == _alone(model, tok, r), f"request {r.id} ({r.policy})"
 
 
-@pytest.mark.parametrize("amx,expected", [(True, 1024), (False, 512)])
-def test_batched_tokens_default_follows_the_device_and_a_given_value_wins(tiny, monkeypatch, amx, expected):
-    """Without --max-batched-tokens a step carries up to 1024 tokens on a CPU with AMX and 512 on other CPUs (2048
-    on CUDA); the startup line says which; a number given is used as is; a bad one is refused naming the flag, one
-    below --max-batch too; --prefill-tokens is refused with a message naming its replacement."""
+def test_batched_tokens_default_and_a_given_value_wins(tiny):
+    """Without --max-batched-tokens a step carries up to 2048 tokens (vLLM's default for its API server on a CPU);
+    the startup line says so; a number given is used as is; a bad one is refused naming the flag, one below
+    --max-batch too; --prefill-tokens is refused with a message naming its replacement."""
     from kvtier.serve import engine as engine_mod
-    from kvtier.step import cpu
 
     model, tok = tiny
-    monkeypatch.setattr(cpu, "cpu_amx", lambda: amx)
-    assert engine_mod.default_batched_tokens("cpu") == expected
-    assert engine_mod.default_batched_tokens("cuda") == 2048
+    assert engine_mod.default_batched_tokens("cpu") == engine_mod.default_batched_tokens("cuda") == 2048
     eng = ContinuousEngine(model, tok, EngineConfig())
-    assert eng.max_batched_tokens == expected and f"{expected} tokens a step" in eng.describe()
+    assert eng.max_batched_tokens == 2048 and "2048 tokens a step" in eng.describe()
     assert ContinuousEngine(model, tok, EngineConfig(max_batched_tokens=300)).max_batched_tokens == 300
     for bad in (0, -5, 2.5, True):
         with pytest.raises(ValueError, match=r"max_batched_tokens \(--max-batched-tokens\) must be an integer >= 1"):
