@@ -27,6 +27,10 @@ def test_both_servers_get_the_same_client_command_and_their_own_settings(tmp_pat
     assert "--ignore-eos" in cc and cc[i("--temperature") + 1] == "0.6" and cc[i("--top-p") + 1] == "0.95"
     greedy = run.client_cmd(a, 8000, "W1", 32, "greedy", tmp_path / "x.json")
     assert greedy[greedy.index("--temperature") + 1] == "0" and "--top-p" not in greedy
+    # every cell and repeat draws its own prompts (no prefix-cache reuse across cells); systems share them
+    seeds = {run.cell_seed(0, w, c, s, r) for w, (_, _, cs, _) in run.WORKLOADS.items() for c in cs
+             for s in run.SAMPLING for r in range(3)}
+    assert len(seeds) == sum(len(cs) for _, _, cs, _ in run.WORKLOADS.values()) * len(run.SAMPLING) * 3
     vcmd, venv = run.server_cmd("vllm", a, 8000, "W3")
     assert vcmd[vcmd.index("--num-gpu-blocks-override") + 1] == "64"  # 8192 tokens in 128-token blocks
     assert venv["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
