@@ -167,13 +167,14 @@ class TieredLayer(KVTierLayer):
         whole prefill."""
         st, eng = self.state, self.state.engine
         lay = st.layout
+        # a chunked prompt's placement moves every tail column: its tail starts again empty (ahead of the next line)
+        fresh_tail = fresh_tail or (tail is None and st.version == st.placed_version)
         tail = tail or (self.tail_k, self.tail_v)
         dt, dev = self.dev_k.dtype, self.device
         # 1. read every moving token from where it is now, before any slot it frees is reused
         got = {x: [(mv, self._fetch(mv, tail)) for mv in lay.moves.get(x, [])] for x in (T0, T1, T2)}
         # 2. resize buffers whose tier outgrew them, or that a device limit shrinks (the tail's tokens were read in
         # 1: its columns start empty; a full cache turned tiered under memory pressure gives back its long tail)
-        fresh_tail = fresh_tail or (tail is None and st.version == st.placed_version)
         cap_t = 0 if fresh_tail else min(self.tail_k.shape[2], tail_columns(st.cfg.retier_interval))
         if fresh_tail:
             self._alloc_device(lay.tiers[T0].cap, 0, keep_tail=0)

@@ -65,6 +65,9 @@ def test_chunks_give_the_whole_prefill(tiny, policy, params, bound):
         assert torch.equal(x, y)
     assert torch.equal(ca.tier_map(), cb.tier_map())
     assert ca.stats()["tokens"] == cb.stats()["tokens"]
+    # and the same device buffers: a placed chunked prompt's tail starts again empty, as a whole prefill's
+    assert [la.dev_k.shape for la in ca.layers] == [lb.dev_k.shape for lb in cb.layers]
+    assert ca.device_kv_bytes() == cb.device_kv_bytes()
 
 
 def test_scores_after_a_chunked_prompt_are_the_whole_prompts(tiny):
