@@ -101,3 +101,22 @@ def test_a_full_host_budget_forces_a_preemption():
     p = s.plan(rows, [], [1, 2], [], {})
     assert p.memory.preempt == [1]  # the one with the fewest generated tokens
     assert p.tokens.decode == [2]
+
+
+def test_a_prompt_under_a_t0_limit_takes_chunks_of_its_tail_reserve():
+    """A prefilling row with a T0 limit, and a request admitted at a limit, prefill at most their tail reserve a
+    step: the device then holds the limit beside one reserve, the bytes the decision counted."""
+    s = Scheduler(550 * COL, None, "demote", 8, 256)  # no room for the limit to grow back
+    rows = [_row(1, 300, limit=100), _row(2, 200)]
+    p = s.plan(rows, [], [2], [PromptNeed(1, 700)], {})
+    assert 1 not in p.memory.limits
+    assert p.tokens.chunks == [(1, 8)]  # its reserve (8 columns here), not the 255 tokens left in the step
+    roomy = Scheduler(2000 * COL, None, "demote", 8, 256).plan(rows, [], [2], [PromptNeed(1, 700)], {})
+    assert roomy.memory.limits == {1: None} and roomy.tokens.chunks == [(1, 255)]  # lifted: full chunks again
+    s = Scheduler(1000 * COL, None, "demote", 8, 256)
+    rows = [_row(1, 480), _row(2, 480)]
+    p = s.plan(rows, [_wait(5, 600)], [1, 2], [], {5: PromptNeed(5, 600)})
+    if p.memory.admit and p.memory.admit[0][1] is not None:  # admitted at a limit
+        assert p.tokens.chunks == [(5, 8)]
+    unlimited = Scheduler(None, None, "demote", 8, 256).plan([_row(1, 300, limit=None)], [], [], [PromptNeed(1, 700)], {})
+    assert unlimited.tokens.chunks == [(1, 256)]
