@@ -158,7 +158,7 @@ class ContinuousEngine(EngineBase):
         return RowNeed(key=row.req.id, next_bytes=v.next_bytes, col_bytes=self.col_bytes, reserve=v.reserve,
                        can_limit=v.can_limit, generated=len(row.generated), arrived=row.req.arrived,
                        host_bytes=v.host_bytes, host_next=v.host_next, t0_limit=v.t0_limit, tokens=v.tokens,
-                       peak_bytes=self._peak_bytes(n_max), device_tokens=v.device_tokens)
+                       peak_bytes=self._peak_bytes(n_max, row.req.policy), device_tokens=v.device_tokens)
 
     def _next_chunk(self, row: _Row) -> int:
         """Tokens the row brings to its next step: one to decode, else (at most) its next prompt chunk."""
@@ -172,10 +172,18 @@ class ContinuousEngine(EngineBase):
     def _reserve(self, req: GenRequest) -> int:
         return tail_columns(int(req.params.get("retier_interval", TierConfig.retier_interval)))
 
-    def _peak_bytes(self, n: int) -> int:
-        """Device bytes of a row of ``n`` tokens all on the device: a ``full`` row's buffers, or a tiered row's T0
-        at its grown capacity beside a whole tail."""
-        return max(full_columns(n), grown_capacity(n, 0) + tail_columns(TierConfig.retier_interval)) * self.col_bytes
+    def _peak_bytes(self, n: int, policy: str | None = None) -> int:
+        """Device bytes of a row of ``n`` tokens all on the device under its own policy: a ``full`` row's one buffer
+        (``full_columns``), any other row's T0 at its grown capacity beside a whole tail (the larger of the two when
+        the policy is not known). A ``full`` row reserved at the tiered size took 8% more than its buffers (seven
+        rows where the budget held eight)."""
+        full = full_columns(n)
+        tiered = grown_capacity(n, 0) + tail_columns(TierConfig.retier_interval)
+        if policy is not None:
+            from ..policies import POLICIES
+
+            return (full if getattr(POLICIES[policy], "family", "") == "reference" else tiered) * self.col_bytes
+        return max(full, tiered) * self.col_bytes
 
     def _wait_need(self, req: GenRequest) -> WaitNeed:
         from ..policies import POLICIES
@@ -184,8 +192,8 @@ class ContinuousEngine(EngineBase):
         cls = POLICIES[req.policy]
         can_limit = getattr(cls, "family", "") in ("reference", "hierarchy") and req.params.get("rest_tier", "T1") == "T1"
         reserve = self._reserve(req)
-        return WaitNeed(key=req.id, start_bytes=self._peak_bytes(n + 1), min_bytes=reserve * self.col_bytes,
-                        peak_bytes=self._peak_bytes(len(req.prompt_ids) + req.max_tokens),
+        return WaitNeed(key=req.id, start_bytes=self._peak_bytes(n + 1, req.policy), min_bytes=reserve * self.col_bytes,
+                        peak_bytes=self._peak_bytes(len(req.prompt_ids) + req.max_tokens, req.policy),
                         col_bytes=self.col_bytes, reserve=reserve, can_limit=can_limit, tokens=n)
 
     def _chunkable(self, req: GenRequest) -> bool:

@@ -708,3 +708,24 @@ def test_demoted_and_promoted_counters_equal_the_moved_bytes_over_a_pressure_run
     assert moved == m.moved_bytes
     assert (m.demoted_tokens + m.promoted_tokens) * eng.col_bytes == m.moved_bytes
     assert sum(r.sink.end[2]["kvtier"]["demoted_tokens"] for r in reqs) == m.demoted_tokens
+
+
+def test_queue_mode_reserves_what_each_row_s_own_policy_needs(tiny):
+    """Queue mode admits a request when its peak fits: a ``full`` row's peak is its one buffer (full_columns), so a
+    budget of exactly four such peaks runs four ``full`` rows at once (reserved at the tiered size, it ran three),
+    and the device never holds more than the budget."""
+    from kvtier.cache.state import full_columns
+
+    model, tok = tiny
+    probe = _engine(model, tok)
+    probe.shutdown(grace_s=0)
+    reqs = [_req(_long_prompt(model, tok, 40, 200, skip=i), 200, "full") for i in range(4)]
+    peak = full_columns(40 + 200) * probe.col_bytes
+    assert probe._peak_bytes(240, "full") == peak < probe._peak_bytes(240)  # the old reservation was larger
+    eng = _engine(model, tok, device_kv_budget=4 * peak, on_pressure="queue")
+    _run_trace(eng, reqs, gap=0)
+    eng.shutdown(grace_s=1)
+    assert max(len(s["decode"]) for s in eng.step_log) == 4
+    assert max(eng.trace) <= 4 * peak and eng.metrics.preemptions == 0
+    for r in reqs:
+        assert r.sink.text == _alone(model, tok, r)
