@@ -656,7 +656,7 @@ def _chunk(srv: Server, rid: str, chat: bool, content: str = "", reasoning: str 
         delta: dict = {}
         if role:
             delta["role"] = "assistant"
-        if content or role:
+        if content or role or not reasoning:  # a token without text still says so: content ""
             delta["content"] = content
         if reasoning:
             delta["reasoning_content"] = reasoning

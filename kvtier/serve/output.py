@@ -37,9 +37,10 @@ class RowOutput:
         self.drawn += 1
         if tok in self.eos and not r.ignore_eos:
             return "stop"
-        piece = self.detok.push(tok)
-        if piece:
-            self.send(piece)
+        # one delta per token, its text possibly empty (a piece of a UTF-8 character, text held back while it may
+        # start a stop string): the stream's cadence is the decoding's, as vLLM's and OpenAI's streams are (clients
+        # time every chunk: skipping empty ones read as gaps of two steps)
+        self.send(self.detok.push(tok), every=True)
         if self.text.stopped:
             return "stop"
         if len(self.detok.ids) >= r.max_tokens:
@@ -50,9 +51,10 @@ class RowOutput:
             return "timeout"
         return None
 
-    def send(self, piece: str, final: bool = False) -> None:
-        content, reasoning = self.text.feed(piece, final=final)
-        if content or reasoning:
+    def send(self, piece: str, final: bool = False, every: bool = False) -> None:
+        """Feed ``piece`` to the text; a delta event with what comes out (``every``: even when nothing does)."""
+        content, reasoning = self.text.feed(piece, final=final) if piece or final else ("", "")
+        if content or reasoning or (every and not self.text.stopped):
             safe_sink(self.req, ("delta", content, reasoning))
 
     def usage(self) -> dict:
