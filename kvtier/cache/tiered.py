@@ -128,6 +128,11 @@ class KVTierCache(ShapeGuardedCache):
         if changed and t0_tokens is not None and st.n_total > 0:
             st.retier_now = True
 
+    @property
+    def device_limit(self) -> int | None:
+        """The T0 limit :meth:`limit_device` set (None: none)."""
+        return self.state.t0_limit
+
     def tail_reserve(self) -> int:
         """Device columns a row's tail can take between reassignments (tokens since the last one)."""
         return tail_columns(self.state.cfg.retier_interval)

@@ -348,7 +348,7 @@ class Server:
             why = ("--max-new-tokens" if cap == self.s.max_new_tokens else
                    f"the model's {self.s.position_limit} positions minus the {len(ids)}-token prompt")
             raise APIError(400, f"{limit_name} must be <= {cap} ({why}), got {max_tokens}", limit_name)
-        for name, value, inert in _unhonoured(body, chat):
+        for name, inert in _unhonoured(body):
             raise APIError(400, f"{name} is not supported by kvtier serve (it would change the output; send "
                            f"{inert} or leave it out)", name)
         min_tokens = body.min_tokens or 0
@@ -634,14 +634,12 @@ UNHONOURED = (
 )
 
 
-def _unhonoured(body, chat: bool):
-    """(name, value, the inert value) of each field in ``body`` set to a value kvtier would not honour."""
+def _unhonoured(body):
+    """(name, the inert value as a message names it) of each field of ``body`` (chat or completion: each has its own
+    fields) set to a value kvtier would not honour."""
     for name, inert, shown in UNHONOURED:
-        if not hasattr(body, name):
-            continue
-        v = getattr(body, name)
-        if not inert(v):
-            yield name, v, shown
+        if hasattr(body, name) and not inert(getattr(body, name)):
+            yield name, shown
 
 
 def _version() -> str:

@@ -166,7 +166,8 @@ class ContinuousEngine(EngineBase):
             return 1
         if not row.chunkable:
             return len(row.left)
-        cap = self._reserve(row.req) if row.cache.budget_view().t0_limit is not None else self.max_batched_tokens
+        limited = getattr(row.cache, "device_limit", None) is not None  # (a head-wise baseline's cache has none)
+        cap = self._reserve(row.req) if limited else self.max_batched_tokens
         return min(len(row.left), cap)
 
     def _reserve(self, req: GenRequest) -> int:

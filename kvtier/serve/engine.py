@@ -496,11 +496,13 @@ class Engine(EngineBase):
             rows._update_metrics(final=True)
         except Exception as e:  # a failed batch ends its rows with an error; the server goes on
             log.exception("generation failed for a batch of %d", len(batch))
+            msg = f"generation failed: {type(e).__name__}: {e}"
             for i, r in enumerate(batch):
-                if rows is None or rows.outs[i].fail(500, f"generation failed: {type(e).__name__}: {e}"):
+                if rows is None:
                     self._running -= 1
-                    if rows is None:
-                        safe_sink(r, ("error", 500, f"generation failed: {type(e).__name__}: {e}"))
+                    safe_sink(r, ("error", 500, msg))
+                elif rows.outs[i].fail(500, msg):  # False: the row had ended already
+                    self._running -= 1
             self.metrics.kv_bytes = {}
         finally:
             rows = cache = None  # noqa: F841  (drop the batch's KV before the next one is built)

@@ -276,9 +276,8 @@ class Scheduler:
         # a prompt prefilled under a T0 limit (set now or before) takes chunks of at most its tail reserve: the
         # device then holds its limit beside one reserve, the bytes the decision counted for it
         by_key = {r.key: r for r in rows}
-        limited = {k for k, r in by_key.items() if r.t0_limit is not None}
-        limited = (limited | {k for k, t in memory.limits.items() if t is not None}) - {
-            k for k, t in memory.limits.items() if t is None}
+        limits = {k: r.t0_limit for k, r in by_key.items()} | memory.limits  # as they stand after the decision
+        limited = {k for k, t in limits.items() if t is not None}
         reserves = {w.key: w.reserve for w in waiting}
 
         def capped(p: PromptNeed, limit: bool, reserve: int) -> PromptNeed:
