@@ -9,9 +9,11 @@ decodes its output length; ``--temperature 0`` greedy, or ``--sampling sampled``
 - ``W1`` chat: 256 prompt / 256 output tokens at 1, 8 and 32 clients;
 - ``W2`` long prompts: 3,500 / 256 at 8 and 32 clients;
 - ``W3`` reasoning length under a KV budget: 512 / 4,096 at 16 clients; vLLM's pool set by
-  ``--num-gpu-blocks-override`` to ``--w3-budget-tokens`` tokens (the same bytes as kvtier's ``--device-kv-budget``),
-  and, with ``--w3-equal-total``, a second vLLM run whose pool is the budget plus the host bytes kvtier held at its
-  peak (read from its ``/metrics``).
+  ``--num-gpu-blocks-override`` to ``--w3-budget-tokens`` tokens (the same bytes as kvtier's ``--device-kv-budget``):
+  equal *device* budget, kvtier's host bytes at its peak stated beside the result;
+- ``W3T`` the same requests at equal *total* KV memory (run it after ``W3``, in the same repeat): vLLM's pool is the
+  budget plus the host bytes kvtier held at its peak in that repeat's ``W3`` cell (read from its ``/metrics``), and
+  kvtier runs again with ``--host-kv-budget`` capped to those bytes, so neither gets memory the other did not.
 Each (system, workload, clients, sampling) cell runs ``--repeats`` times; in repeat r the systems run in the order
 rotated by r (a server started once per repeat runs all its cells, then stops: never two servers at once). Each
 cell's JSON (the client's own result file) and the servers' ``/metrics`` before and after it (vLLM's prefix-cache
@@ -40,6 +42,7 @@ WORKLOADS = {  # name -> (prompt tokens, output tokens, client counts, prompts p
     "W1": (256, 256, (1, 8, 32), {1: 4, 8: 16, 32: 64}),
     "W2": (3500, 256, (8, 32), {8: 16, 32: 32}),
     "W3": (512, 4096, (16,), {16: 16}),
+    "W3T": (512, 4096, (16,), {16: 16}),  # W3 at equal total KV memory (see the docstring)
 }
 SAMPLING = {"greedy": ["--temperature", "0"], "sampled": ["--temperature", "0.6", "--top-p", "0.95"]}
 SERVED = "peer-model"  # the name both servers answer to
@@ -90,15 +93,33 @@ def pick(m: dict[str, float], prefix: str) -> float:
     return sum(v for k, v in m.items() if k.split("{")[0] == prefix)
 
 
-def server_cmd(system: str, a, port: int, wl: str) -> tuple[list[str], dict]:
+def w3_host_peak(out: Path, rep: int) -> int:
+    """The host K/V bytes kvtier held at its peak in repeat ``rep``'s W3 cell (its tiered run if there is one)."""
+    path = out / "cells.jsonl"
+    cells = [c for c in map(json.loads, path.read_text().splitlines()) if c.get("ok")] if path.exists() else []
+    found = sorted((c["system"] != "kvtier-tiered", c["host_kv_peak_bytes"]) for c in cells
+                   if c["workload"] == "W3" and c["repeat"] == rep and c["system"].startswith("kvtier"))
+    if not found:
+        raise RuntimeError(f"W3T needs repeat {rep}'s W3 cell of kvtier first (its host bytes at the peak): run "
+                           "--workloads W3,W3T")
+    return int(found[0][1])
+
+
+def server_cmd(system: str, a, port: int, wl: str, rep: int = 0) -> tuple[list[str], dict]:
     env = dict(os.environ)
+    host = w3_host_peak(a.out, rep) if wl == "W3T" else 0
     if system == "vllm":
         cmd = [a.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", a.model_dir, "--served-model-name",
                SERVED, "--port", str(port), "--dtype", a.vllm_dtype, "--max-model-len", str(a.max_model_len),
                "--max-num-seqs", str(a.max_batch)]
         env["VLLM_CPU_OMP_THREADS_BIND"] = a.cpu_bind
-        if wl == "W3":
-            cmd += ["--num-gpu-blocks-override", str(-(-a.w3_budget_tokens // a.vllm_block_size)),
+        if wl in ("W3", "W3T"):
+            # its context length: a request's whole length and a block (vLLM keeps one block of its pool back and
+            # refuses a context the rest cannot hold; kvtier's budget holds rows at their tail, never whole)
+            p, o = WORKLOADS[wl][:2]
+            cmd[cmd.index("--max-model-len") + 1] = str(min(a.max_model_len, p + o + a.vllm_block_size))
+            tokens = a.w3_budget_tokens + -(-host // a.col_bytes)  # W3T: the budget and kvtier's host bytes
+            cmd += ["--num-gpu-blocks-override", str(-(-tokens // a.vllm_block_size)),
                     "--block-size", str(a.vllm_block_size)]
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(a.vllm_kv_gib)
@@ -111,8 +132,10 @@ def server_cmd(system: str, a, port: int, wl: str) -> tuple[list[str], dict]:
         cmd += ["--hbm-ratio", str(a.hbm_ratio), "--evict-ratio", str(a.evict_ratio)]
     if a.max_batched_tokens:
         cmd += ["--max-batched-tokens", str(a.max_batched_tokens)]
-    if wl == "W3":
+    if wl in ("W3", "W3T"):
         cmd += ["--device-kv-budget", str(a.w3_budget_tokens * a.col_bytes)]
+    if wl == "W3T":
+        cmd += ["--host-kv-budget", str(host)]
     env["PYTHONPATH"] = str(REPO)
     return cmd, env
 
@@ -159,7 +182,7 @@ def run(a) -> None:
                 if not todo:
                     continue
                 port = free_port()
-                cmd, env = server_cmd(system, a, port, wl)
+                cmd, env = server_cmd(system, a, port, wl, rep)
                 log = open(a.out / f"server_{system}_{wl}_r{rep}.log", "w")
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
                 try:
@@ -217,6 +240,21 @@ def run(a) -> None:
         table(a.out)
 
 
+def _memory(cs: list[dict]) -> str:
+    """The K/V memory a system held (medians over the cells): vLLM's pool where the command set it in blocks
+    (W3, W3T), else its ``VLLM_CPU_KVCACHE_SPACE``; kvtier's device and host bytes at their peaks."""
+    mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
+    if cs[0]["system"] != "vllm":
+        dev, host = _med([c.get("device_kv_peak_bytes") for c in cs]), _med([c.get("host_kv_peak_bytes") for c in cs])
+        return "" if dev is None else f"{mib(dev)} + {mib(host or 0)} (peaks)"
+    cmd = cs[0].get("server_cmd", "").split()
+    if "--num-gpu-blocks-override" not in cmd:
+        return "its KV space (4 GiB unless set)"
+    blocks = int(cmd[cmd.index("--num-gpu-blocks-override") + 1])
+    block = int(cmd[cmd.index("--block-size") + 1]) if "--block-size" in cmd else 16
+    return f"pool {blocks} x {block} tokens ({blocks * block} tokens)"
+
+
 def _med(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -228,8 +266,8 @@ def table(out: Path) -> str:
     keys = sorted({(c["workload"], c["clients"], c["sampling"]) for c in cells})
     systems = sorted({c["system"] for c in cells}, key=lambda s: (s != "vllm", s))
     lines = ["| workload | clients | sampling | system | n | tok/s (min-max) | vs vLLM | TTFT p99 ms | vs vLLM | "
-             "ITL p50 ms | ITL p99 ms | vs vLLM | prefix-cache hits | preemptions |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "ITL p50 ms | ITL p99 ms | vs vLLM | prefix-cache hits | preemptions | KV MiB: device + host |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for wl, clients, sampling in keys:
         meds = {}
         for s in systems:
@@ -247,7 +285,7 @@ def table(out: Path) -> str:
             lines.append(f"| {wl} | {clients} | {sampling} | {s} | {len(cs)} | {meds[s]['tp']:.1f} ({min(tp):.1f}-"
                          f"{max(tp):.1f}) | {ratio('tp')} | {meds[s]['ttft']:.0f} | {ratio('ttft')} | "
                          f"{meds[s]['itl50']:.0f} | {meds[s]['itl99']:.0f} | {ratio('itl99')} | {hit} | "
-                         f"{_med([c.get('preemptions') for c in cs]) or 0:.0f} |")
+                         f"{_med([c.get('preemptions') for c in cs]) or 0:.0f} | {_memory(cs)} |")
     text = "\n".join(lines) + "\n"
     (out / "table.md").write_text(text)
     return text

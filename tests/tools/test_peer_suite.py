@@ -59,3 +59,24 @@ def test_the_table_holds_medians_spreads_and_ratios(tmp_path):
     assert "| 3 | 95.0 (90.0-120.0) | 0.95x |" in kv and "| 1.10x |" in kv and "none (no prefix cache)" in kv
     assert run.done_cells(tmp_path / "cells.jsonl") == {("vllm", "W1", 8, "greedy", r) for r in range(3)} | {
         ("kvtier-full", "W1", 8, "greedy", r) for r in range(3)}
+
+
+def test_w3t_gives_vllm_the_budget_and_kvtiers_host_bytes_and_caps_kvtier_to_them(tmp_path):
+    run = benchmark_script("peer/run")
+    a = _args(out=tmp_path)
+    try:
+        run.server_cmd("vllm", a, 8000, "W3T", 0)
+        raise AssertionError("W3T without a W3 cell of kvtier must be refused")
+    except RuntimeError as e:
+        assert "W3,W3T" in str(e)
+    host = 300 * 12288 + 5  # 300 tokens and a few bytes: rounded up to 301 tokens
+    cell = {"system": "kvtier-tiered", "workload": "W3", "clients": 16, "sampling": "greedy", "repeat": 0, "ok": True,
+            "host_kv_peak_bytes": host, "device_kv_peak_bytes": 8192 * 12288}
+    (tmp_path / "cells.jsonl").write_text(json.dumps(cell) + "\n")
+    vcmd, _ = run.server_cmd("vllm", a, 8000, "W3T", 0)
+    assert vcmd[vcmd.index("--num-gpu-blocks-override") + 1] == str(-(-(8192 + 301) // 128))  # 67 blocks
+    kcmd, _ = run.server_cmd("kvtier-tiered", a, 8000, "W3T", 0)
+    assert kcmd[kcmd.index("--host-kv-budget") + 1] == str(host)
+    assert kcmd[kcmd.index("--device-kv-budget") + 1] == str(8192 * 12288)
+    w3, _ = run.server_cmd("vllm", a, 8000, "W3", 0)
+    assert w3[w3.index("--num-gpu-blocks-override") + 1] == "64" and "--host-kv-budget" not in w3
