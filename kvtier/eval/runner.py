@@ -33,7 +33,8 @@ log = logging.getLogger(__name__)
 __all__ = ["EvalConfig", "RECORDS", "load_all", "read_records", "run_eval", "validate_policy"]
 
 
-SAMPLER = "row-seeded-v1"  # kvtier.eval.sampling.RowSampler: temperature, top-p, one generator per row
+SAMPLER = "row-seeded-v2"  # kvtier.eval.sampling.RowSampler over kvtier.sampling.sample_rows: temperature, top-p, one
+# generator and one uniform per row a step (v1: one torch.multinomial per row; its records stay labelled v1)
 
 
 # Parameters that choose how a policy computes, not what: float rounding at most. At their default they stay out

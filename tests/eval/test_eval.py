@@ -170,7 +170,7 @@ def test_sampled_batches_draw_what_each_row_draws_alone(tmp_path):
         recs = _records(out)
         got[(bs, seed)] = {(r["id"], r["sample"]): r["completion"] for r in recs}
         assert {r["batch_size"] for r in recs} == ({1} if bs == 1 else {4, 2})
-        assert all(r["key_inputs"]["sampler"] == "row-seeded-v1" for r in recs)
+        assert all(r["key_inputs"]["sampler"] == "row-seeded-v2" for r in recs)
     assert got[(1, 0)] == got[(4, 0)]
     assert len(set(got[(1, 0)].values())) == 6
     assert got[(4, 1)] != got[(4, 0)]

@@ -1,0 +1,153 @@
+"""The sampling step for a whole batch at once: every row's own settings and generator, no full-vocabulary sort, one pass of each kind over the (rows, vocabulary) logits.
+
+What it computes is :func:`kvtier.sampling.reference.sample_reference`'s, row for row (the tests compare tokens and
+distributions); how differs:
+- greedy rows without penalties or banned tokens take the caller's one-pass first maximum of the raw logits
+  (``greedy_pick``: the server's ``argmax_rows``), bit for bit what greedy decoding gave before;
+- top_k's threshold comes from one ``topk`` over the rows that set it, not a sort;
+- top_p's cut from the ``CANDIDATES`` most likely tokens (a partial selection): a row whose top_p mass is not reached
+  within them tries ``FALLBACK`` candidates, then a full sort (long flat tails are rare at the temperatures served);
+- the draw finds a row's uniform in two levels: sums of ``BLOCK``-token blocks, then the cumulative sum of the one
+  block it falls in, not a cumulative sum over the whole vocabulary (the block sums are float32: a draw can differ
+  from the reference's float64 running sum only where its uniform lands within ~1e-7 of a token's boundary).
+Every step is row-local, so a row draws what it would draw alone, in a batch of any size with any neighbours.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .params import SamplingParams
+from .reference import penalise, uniform
+
+BLOCK = 1024  # tokens a block of the two-level draw
+CANDIDATES = 64  # top_p's partial selection, first try
+FALLBACK = 1024  # and second try, before a full sort
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
+                history: list[tuple[list[int], list[int]]] | None = None, banned: list[list[int] | None] | None = None,
+                greedy_pick: Callable[[torch.Tensor], torch.Tensor] | None = None) -> list[int]:
+    """One token per row of ``logits`` (B, V) (float32 or bfloat16): row i under ``params[i]``, drawing with
+    ``gens[i]`` (one uniform a step; None for greedy rows). ``history[i]``: the row's (prompt tokens, output tokens),
+    read only by the penalties. ``banned[i]``: tokens the row may not take this step (their logits set to -inf
+    first: ``min_tokens`` bans the end-of-sequence tokens). ``greedy_pick``: ``(R, V) -> (R,)`` first maxima of raw
+    logits (default ``x.float().argmax(-1)``)."""
+    B, V = logits.shape
+    if len(params) != B or len(gens) != B:
+        raise ValueError(f"params and gens must have one entry per row ({B}), got {len(params)} and {len(gens)}")
+    out = [0] * B
+    ban = banned or [None] * B
+    plain = [i for i, p in enumerate(params) if p.greedy and not p.penalised and not ban[i]]
+    if plain:
+        pick = greedy_pick or (lambda x: x.float().argmax(dim=-1))
+        picked = pick(logits if len(plain) == B else logits[plain]).tolist()
+        for i, t in zip(plain, picked):
+            out[i] = int(t)
+    rest = [i for i in range(B) if i not in set(plain)]
+    if not rest:
+        return out
+    x = logits[rest].float() if len(rest) < B else logits.float().clone()  # (n, V): its own float32 copy
+    for r, i in enumerate(rest):
+        p = params[i]
+        if ban[i]:
+            x[r, ban[i]] = float("-inf")
+        if p.penalised:
+            x[r] = penalise(x[r], p, *(history[i] if history else (None, None)))
+    sampled = []
+    for r, i in enumerate(rest):
+        if params[i].greedy:
+            out[i] = int(x[r].argmax())
+        else:
+            sampled.append(r)
+    if not sampled:
+        return out
+    rows = [rest[r] for r in sampled]
+    xs = x if len(sampled) == len(rest) else x[sampled]
+    w = weights_rows(xs, [params[i] for i in rows])
+    toks = draw_rows(w, torch.tensor([uniform(gens[i]) for i in rows], dtype=torch.float64))
+    for i, t in zip(rows, toks.tolist()):
+        out[i] = int(t)
+    return out
+
+
+def weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """:func:`kvtier.sampling.reference.weights` for every row of ``x`` (n, V) float32 (penalised logits) at once;
+    ``x`` may be overwritten."""
+    n, V = x.shape
+    inv = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
+    x = x.mul_(inv[:, None])
+    ks = [p.top_k if p.top_k and p.top_k < V else 0 for p in params]
+    if any(ks):
+        kmax = max(ks)
+        rows = [r for r, k in enumerate(ks) if k]
+        vals = x[rows].topk(kmax, dim=-1).values  # (m, kmax), largest first
+        kth = torch.full((n,), float("-inf"))
+        kth[rows] = vals[torch.arange(len(rows)), torch.tensor([ks[r] - 1 for r in rows])]
+        x = x.masked_fill_(x < kth[:, None], float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    cut = torch.zeros(n, dtype=probs.dtype)
+    top_p = [r for r, p in enumerate(params) if p.top_p < 1.0]
+    if top_p:
+        cut[top_p] = _top_p_cuts(probs[top_p], [params[r].top_p for r in top_p])
+    min_p = [r for r, p in enumerate(params) if p.min_p]
+    if min_p:
+        floor = torch.tensor([params[r].min_p for r in min_p], dtype=torch.float32) * probs[min_p].amax(dim=-1)
+        cut[min_p] = torch.maximum(cut[min_p], floor)
+    if top_p or min_p:
+        probs = probs.masked_fill_(probs < cut[:, None], 0.0)
+    return probs
+
+
+def _top_p_cuts(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+    """Each row's top_p cut (the probability of the last token of the smallest most-likely-first prefix whose mass
+    reaches its top_p), from a partial selection where that holds the prefix, else a full sort. ``probs`` (m, V)."""
+    m, V = probs.shape
+    p = torch.tensor(top_ps, dtype=torch.float64)
+    cuts = torch.empty(m, dtype=probs.dtype)
+    todo = list(range(m))
+    for k in (CANDIDATES, FALLBACK, V):
+        if not todo:
+            break
+        k = min(k, V)
+        s = probs[todo].topk(k, dim=-1).values if k < V else probs[todo].sort(dim=-1, descending=True).values
+        n = (s.double().cumsum(-1) < p[todo, None]).sum(-1)  # tokens before the one that reaches top_p
+        reached = (n < k) | (k == V)
+        idx = n.clamp(max=k - 1)
+        got = s[torch.arange(len(todo)), idx]
+        left = []
+        for j, r in enumerate(todo):
+            if bool(reached[j]):
+                cuts[r] = got[j]
+            else:
+                left.append(r)
+        todo = left
+    return cuts
+
+
+def draw_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Each row's index where its ``u`` (n,) float64 in [0, 1) lands in its cumulative weights ``w`` (n, V) float32
+    (zero weights never drawn) -> (n,) int64: the sums of ``BLOCK``-token blocks (float32, one pass; their running
+    sum in float64) pick the block, the block's own cumulative sum (float64) the token."""
+    n, V = w.shape
+    full = V // BLOCK
+    sums = [w[:, : full * BLOCK].view(n, full, BLOCK).sum(dim=-1)] if full else []
+    if V > full * BLOCK:
+        sums.append(w[:, full * BLOCK :].sum(dim=-1, keepdim=True))
+    bc = torch.cat(sums, dim=-1).double().cumsum(dim=-1)  # (n, blocks)
+    target = u * bc[:, -1]
+    b = torch.searchsorted(bc, target[:, None], right=True).squeeze(1).clamp_(max=bc.shape[1] - 1).tolist()
+    tok = torch.empty(n, dtype=torch.long)
+    for r in range(n):
+        lo = b[r] * BLOCK
+        blk = w[r, lo : lo + BLOCK]
+        inner = blk.double().cumsum(0) + (float(bc[r, b[r] - 1]) if b[r] else 0.0)
+        j = int(torch.searchsorted(inner, target[r : r + 1], right=True))
+        if j >= blk.numel() or float(blk[j]) == 0.0:  # u * total rounded past what the block's own sum reaches
+            nz = blk.nonzero()
+            tok[r] = lo + int(nz[-1]) if nz.numel() else int(w[r].nonzero()[-1])
+        else:
+            tok[r] = lo + j
+    return tok
