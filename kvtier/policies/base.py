@@ -38,6 +38,15 @@ class Policy:
     name: ClassVar[str]
     description: ClassVar[str] = ""
     family: ClassVar[str] = "baseline"  # one of FAMILIES: how reports group and label it
+    # its cache takes a prompt in chunks (KVTierCache.open_prompt): what a server's chunked prefill needs; a head-wise
+    # baseline scores its whole prompt at prefill, so it takes the prompt whole
+    chunked_prefill: ClassVar[bool] = False
+
+    @classmethod
+    def can_limit(cls, params: dict[str, Any]) -> bool:
+        """Whether its cache can give device memory back without changing its output (T0 tokens moved to T1,
+        attended exactly): what a server's device-KV budget may demote. Default: no."""
+        return False
 
     @classmethod
     def params(cls) -> dict[str, Any]:

@@ -16,6 +16,7 @@ class EvictPolicy(Policy):
     name = "evict"
     description = "cumulative-attention eviction only (kept tokens all on the device)"
     family = "ablation"
+    chunked_prefill = True
 
     @classmethod
     def grid(cls, axes: GridAxes) -> tuple[list[dict], list[str]]:

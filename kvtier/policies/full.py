@@ -18,6 +18,11 @@ class FullPolicy(Policy):
     name = "full"
     description = "keep everything on the device (reference)"
     family = "reference"
+    chunked_prefill = True
+
+    @classmethod
+    def can_limit(cls, params: dict) -> bool:
+        return True  # a limited full cache becomes a tiered one with no eviction (Proposition 1)
 
     @classmethod
     def grid(cls, axes: GridAxes) -> tuple[list[dict], list[str]]:

@@ -16,6 +16,7 @@ class QuantPolicy(Policy):
     name = "quant"
     description = "kept tokens outside T0 stored as int8 instead of T1"
     family = "ablation"
+    chunked_prefill = True
 
     @classmethod
     def grid(cls, axes: GridAxes) -> tuple[list[dict], list[str]]:

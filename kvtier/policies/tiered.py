@@ -30,6 +30,11 @@ class TieredPolicy(Policy):
     name = "tiered"
     description = "T0 device / T1 host / T2 int8 host / T3 evicted, by cumulative attention"
     family = "hierarchy"
+    chunked_prefill = True
+
+    @classmethod
+    def can_limit(cls, params: dict) -> bool:
+        return True  # its rest lives in T1: demoting moves device tokens there, attended exactly
 
     @classmethod
     def grid(cls, axes: GridAxes) -> tuple[list[dict], list[str]]:

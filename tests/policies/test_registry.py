@@ -65,6 +65,19 @@ def test_every_builtin_policy_says_its_family_and_validates_its_values():
         register(type("Dup", (ToyPolicy,), {"name": "tiered"}))
 
 
+def test_every_policy_says_what_a_server_may_do_with_its_cache(tiny):
+    """``chunked_prefill`` and ``can_limit`` are the policy's word for the server's scheduler; the cache it builds
+    agrees (it opens a prompt in chunks, and it can be limited, exactly when its policy says so)."""
+    model, _ = tiny
+    assert {n for n, c in POLICIES.items() if c.chunked_prefill} == {"full", "tiered", "evict", "quant"}
+    assert {n for n, c in POLICIES.items() if c.can_limit({})} == {"full", "tiered"}
+    for name, cls in POLICIES.items():
+        need = {"budget_ratio": 0.5} if cls.family == "baseline" else {}
+        cache = kvtier.make_cache(name, model, **need)
+        assert bool(getattr(cache, "chunked_prompts", False)) == cls.chunked_prefill, name
+        assert bool(getattr(cache, "can_limit", False)) == cls.can_limit(need), name
+
+
 def test_builtin_grids_are_the_documented_sweep():
     cfgs = expand_grid("m", ["gsm8k"], ["full", "tiered", "evict", "quant", "h2o", "snapkv"], [0.1, 0.5], [0.3, 0.6],
                        compare="both", budget_tokens=[64])
