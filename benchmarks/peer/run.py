@@ -120,7 +120,9 @@ def server_cmd(system: str, a, port: int, wl: str, rep: int = 0) -> tuple[list[s
             cmd[cmd.index("--max-model-len") + 1] = str(min(a.max_model_len, p + o + a.vllm_block_size))
             tokens = a.w3_budget_tokens + -(-host // a.col_bytes)  # W3T: the budget and kvtier's host bytes
             cmd += ["--num-gpu-blocks-override", str(-(-tokens // a.vllm_block_size)),
-                    "--block-size", str(a.vllm_block_size)]
+                    "--block-size", str(a.vllm_block_size),
+                    # the pool is the override; its memory check otherwise asks for 92% of the RAM to be free
+                    "--gpu-memory-utilization", "0.5"]
         else:
             env["VLLM_CPU_KVCACHE_SPACE"] = str(a.vllm_kv_gib)
         return cmd, env

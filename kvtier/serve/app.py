@@ -158,15 +158,17 @@ def _schemas(settings: ServeSettings):
         logprobs: Optional[Any] = None
         ignore_eos: bool = False  # vLLM's extension: decode through end-of-sequence tokens up to max_tokens (load tests)
         min_tokens: Optional[int] = Field(None, ge=0)  # vLLM's extension: no end of sequence before this many tokens
-        # fields that would change the output and are not honoured: a value other than the inert one is a 400
-        # naming the field (UNHONOURED); user, metadata, store and the like change nothing and are ignored
-        logit_bias: Optional[dict] = None
-        response_format: Optional[Any] = None
+        # sampling beyond temperature and top_p (vLLM's names and ranges; checked by SamplingParams: a bad value is a
+        # 400 naming the field; the penalties need the continuous scheduler)
         presence_penalty: Optional[float] = None
         frequency_penalty: Optional[float] = None
         repetition_penalty: Optional[float] = None
         top_k: Optional[int] = None
         min_p: Optional[float] = None
+        # fields that would change the output and are not honoured: a value other than the inert one is a 400
+        # naming the field (UNHONOURED); user, metadata, store and the like change nothing and are ignored
+        logit_bias: Optional[dict] = None
+        response_format: Optional[Any] = None
         best_of: Optional[int] = None
         top_logprobs: Optional[int] = None
         prompt_logprobs: Optional[Any] = None
@@ -362,12 +364,23 @@ class Server:
         policy, params = self.cache_settings(block)
         from .text import prompt_opens_think
 
+        sampling = {k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None}
+        penalties = [k for k in ("presence_penalty", "frequency_penalty") if sampling.get(k)] + (
+            ["repetition_penalty"] if sampling.get("repetition_penalty", 1) != 1 else [])
+        if penalties and not self.engine.penalties:
+            raise APIError(400, f"{penalties[0]} is not supported by --scheduler static (it would change the output; "
+                           "use --scheduler continuous, the default)", penalties[0])
         req = GenRequest(prompt_ids=list(ids), max_tokens=int(max_tokens), sink=lambda ev: None, policy=policy,
                          params=params, temperature=float(body.temperature), top_p=float(body.top_p), stop=stop,
                          seed=body.seed, ignore_eos=bool(body.ignore_eos), min_tokens=int(min_tokens),
                          deadline=time.monotonic() + self.s.request_timeout_s,
                          separate_reasoning=self.s.reasoning == "separate" and chat,
-                         in_think=chat and prompt_opens_think(prompt))
+                         in_think=chat and prompt_opens_think(prompt), **sampling)
+        try:
+            req.sampling()
+        except ValueError as e:
+            name = next((k for k in ("temperature", "top_p", *SAMPLING_FIELDS) if str(e).startswith(k)), "temperature")
+            raise APIError(400, str(e), name) from None
         return req, prompt
 
     # ---- responses --------------------------------------------------------------------------------------
@@ -604,19 +617,17 @@ def create_app(engine: EngineBase, settings: ServeSettings):
     return app
 
 
+# Sampling fields beyond temperature and top_p, as GenRequest names them (None in a body: the inert default)
+SAMPLING_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
 # What a request sent without it would get; a request without max_tokens on a model whose positions are unknown
 UNBOUNDED_DEFAULT_MAX_TOKENS = 4096
 
 # Fields kvtier does not honour that would change the output: (name, whether a value is inert, the inert value as
-# the message names it). Sampling controls beyond temperature and top_p are the subject of their own work.
+# the message names it). The sampling controls (temperature, top_p, top_k, min_p, the penalties) are honoured.
 UNHONOURED = (
     ("logit_bias", lambda v: not v, "{}"),
     ("response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
-    ("presence_penalty", lambda v: not v, "0"),
-    ("frequency_penalty", lambda v: not v, "0"),
-    ("repetition_penalty", lambda v: v is None or v == 1, "1"),
-    ("top_k", lambda v: v is None or v in (0, -1), "-1"),
-    ("min_p", lambda v: not v, "0"),
     ("best_of", lambda v: v is None or v == 1, "1"),
     ("top_logprobs", lambda v: not v, "0"),
     ("prompt_logprobs", lambda v: not v, "null"),

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import torch
 
+from ..sampling import SamplingParams
 from .metrics import Metrics
 from .output import RowOutput, safe_sink
 
@@ -173,6 +174,11 @@ class GenRequest:
     params: dict = field(default_factory=dict)
     temperature: float = 0.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None  # sampling: the row's own generator (None: a fresh random seed)
     ignore_eos: bool = False  # decode through end-of-sequence tokens (they are not sent), up to max_tokens
@@ -184,12 +190,17 @@ class GenRequest:
     cancelled: bool = False
     arrived: float = field(default_factory=time.monotonic)
 
+    def sampling(self) -> SamplingParams:
+        """Its sampling settings, checked (ValueError naming the field)."""
+        return SamplingParams(float(self.temperature), float(self.top_p), int(self.top_k), float(self.min_p),
+                              float(self.presence_penalty), float(self.frequency_penalty),
+                              float(self.repetition_penalty))
+
     def batch_key(self) -> tuple:
         """Requests share a batch only if they share one cache object's settings and one sampler."""
-        sampled = self.temperature > 0
+        sp = self.sampling()
         return (self.policy, tuple(sorted((k, repr(v)) for k, v in self.params.items())),
-                float(self.temperature) if sampled else 0.0, float(self.top_p) if sampled else 1.0, self.ignore_eos,
-                self.min_tokens)
+                sp if not sp.greedy else SamplingParams(0.0), self.ignore_eos, self.min_tokens)
 
     def cancel(self) -> None:
         """The client went away: the row is masked at the next step, or the request leaves the wait list."""
@@ -281,6 +292,10 @@ class EngineBase:
     generate; :class:`kvtier.serve.continuous.ContinuousEngine`: continuous batching); each request's output goes
     through a :class:`~kvtier.serve.output.RowOutput` in both."""
 
+    # sampling fields a request may set to other than their inert value: temperature, top_p, top_k and min_p in both
+    # engines; the penalties read each row's own history, which only the continuous engine keeps
+    penalties = False
+
     def __init__(self, model, tokenizer, cfg: EngineConfig | None = None):
         from ..cache.sliding import layer_plan
 
@@ -311,6 +326,21 @@ class EngineBase:
     @property
     def queue_depth(self) -> int:
         return len(self.waiting)
+
+    # the wait list (the static engine's deque; the continuous engine's scheduler holds its own): under self._cv
+    def _queue_add(self, req: GenRequest) -> None:
+        self.waiting.append(req)
+
+    def _queue_remove(self, req: GenRequest) -> bool:
+        """Take ``req`` off the wait list; False if it is not on it (running, finished)."""
+        try:
+            self.waiting.remove(req)
+            return True
+        except ValueError:
+            return False
+
+    def _queue_list(self) -> list[GenRequest]:
+        return list(self.waiting)
 
     @property
     def running(self) -> int:
@@ -354,9 +384,9 @@ class EngineBase:
         with self._cv:
             if self._stop:
                 raise ShuttingDown("the server is shutting down")
-            if len(self.waiting) >= self.cfg.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (--max-queue {self.cfg.max_queue})")
-            self.waiting.append(req)
+            if self.queue_depth >= self.cfg.max_queue:
+                raise QueueFull(f"{self.queue_depth} requests are waiting (--max-queue {self.cfg.max_queue})")
+            self._queue_add(req)
             self._cv.notify()
 
     def cancel(self, req: GenRequest) -> None:
@@ -364,10 +394,7 @@ class EngineBase:
         running row is masked at the next step."""
         req.cancel()
         with self._cv:
-            try:
-                self.waiting.remove(req)
-            except ValueError:  # running or finished
-                pass
+            self._queue_remove(req)
 
     def shutdown(self, grace_s: float = 10.0) -> None:
         """Stop taking requests, let the running batch and the wait list finish for up to ``grace_s``, then
@@ -376,15 +403,17 @@ class EngineBase:
             self._stop = True
             self._cv.notify_all()
         t_end = time.monotonic() + grace_s
-        while time.monotonic() < t_end and (self.waiting or self._running):
+        while time.monotonic() < t_end and (self.queue_depth or self._running):
             time.sleep(0.05)
         self.cancel_all = True
         with self._cv:
-            left, self.waiting = list(self.waiting), deque()
-        for r in left:
-            safe_sink(r, ("error", 503, "the server shut down before this request started"))
-        if self._thread is not None:
+            self._cv.notify_all()
+        # the generation thread ends what is left (waiting requests get 503; a preempted one, which has streamed,
+        # ends as a row, "cancelled"); without one, or if it does not, this thread does
+        if self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=30)
+        if self.queue_depth:
+            self._expire_waiting()
 
     def describe(self) -> str:
         """The startup line's account of how this engine schedules."""
@@ -396,9 +425,9 @@ class EngineBase:
         :meth:`_ended_waiting` ends it otherwise."""
         now = time.monotonic()
         with self._cv:
-            gone = [r for r in self.waiting if r.cancelled or now > r.deadline or self.cancel_all]
+            gone = [r for r in self._queue_list() if r.cancelled or now > r.deadline or self.cancel_all]
             for r in gone:
-                self.waiting.remove(r)
+                self._queue_remove(r)
         for r in gone:
             if not self._ended_waiting(r, now) and not r.cancelled:
                 safe_sink(r, ("error", 504 if now > r.deadline else 503, "the request timed out while waiting"
@@ -477,7 +506,7 @@ class Engine(EngineBase):
             elif batch[0].min_tokens:  # transformers' own processor masks the end-of-sequence tokens until then
                 gen["min_new_tokens"] = batch[0].min_tokens
                 gen["eos_token_id"] = sorted(self.eos)
-            if batch[0].temperature > 0:  # each row samples from its own seed: what it would draw alone
+            if not batch[0].sampling().greedy:  # each row samples from its own seed: what it would draw alone
                 import random
 
                 from transformers import LogitsProcessorList
@@ -485,7 +514,9 @@ class Engine(EngineBase):
                 from ..eval.sampling import RowSampler
 
                 seeds = [r.seed if r.seed is not None else random.getrandbits(62) for r in batch]
-                gen["logits_processor"] = LogitsProcessorList([RowSampler(seeds, batch[0].temperature, batch[0].top_p, dev)])
+                sp = batch[0].sampling()
+                gen["logits_processor"] = LogitsProcessorList([RowSampler(seeds, sp.temperature, sp.top_p, dev,
+                                                                          sp.top_k, sp.min_p)])
             self.metrics.batches += 1
             self.metrics.prompt_tokens += sum(len(r.prompt_ids) for r in batch)
             with torch.no_grad():

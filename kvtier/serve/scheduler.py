@@ -1,9 +1,15 @@
-"""The continuous engine's plan for each step — which rows decode, which prompt chunks prefill under a token budget, which waiting requests join, which rows give device memory back (demote), which are preempted — arithmetic on token and byte counts; no tensors here.
+"""The continuous engine's scheduler: it holds the wait list and the running rows (request keys and token counts) and plans each step — which rows decode, which prompt chunks prefill under a token budget, which waiting requests join, which rows give device memory back (demote), which are preempted — arithmetic on token and byte counts; no tensors here.
 
-:class:`Scheduler` returns one :class:`Plan` a step: the memory decision (:func:`decide`) and the token plan
-(:func:`plan_tokens`): every running row that is past its prompt decodes one token first, then prompt chunks of the
-rows still prefilling (oldest first) and of the requests that join fill what is left of ``max_batched_tokens``. A
-prompt longer than what is left is prefilled over several steps, its partial K/V kept in its own cache.
+:class:`Scheduler` owns the state (:attr:`~Scheduler.waiting`, :attr:`~Scheduler.running` and one :class:`Seq` a
+request: its prompt, what it generated, what it has left to prefill) and moves requests between its lists:
+:meth:`~Scheduler.add` on arrival, :meth:`~Scheduler.schedule` each step (the plan, applied to its own lists:
+admitted requests start, preempted ones go back to the head of the wait list, prompt chunks are counted off),
+:meth:`~Scheduler.advanced` for each drawn token, :meth:`~Scheduler.remove` when a request ends. Each step's
+:class:`Plan` is the memory decision (:func:`decide`) and the token plan (:func:`plan_tokens`): every running row
+that is past its prompt decodes one token first, then prompt chunks of the rows still prefilling (oldest first) and
+of the requests that join fill what is left of ``max_batched_tokens``. A prompt longer than what is left is
+prefilled over several steps, its partial K/V kept in its own cache. The engine owns the tensors: it reports each
+row's memory from its cache, runs the step and says which tokens were drawn.
 
 Each running row reports what it will hold after the next step (:class:`RowNeed`); each waiting request what it
 needs to start (:class:`WaitNeed`). :func:`decide` returns T0 limits (tokens) for rows that must shrink or may grow,
@@ -22,6 +28,7 @@ Modes (``--on-pressure``):
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 PRESSURE_MODES = ("demote", "queue", "recompute")
@@ -251,8 +258,27 @@ class Plan:
     tokens: TokenPlan
 
 
+@dataclass
+class Seq:
+    """One request as the scheduler keeps it: token counts only."""
+
+    key: int
+    prompt: int  # prompt tokens
+    chunkable: bool = True  # False: its cache takes the prompt whole (a head-wise baseline)
+    generated: int = 0  # tokens drawn so far (a preempted request prefills them again, after its prompt)
+    left: int = 0  # while running: tokens still to prefill (0: it decodes)
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens it prefills when it (re)starts: its prompt and what it generated before a preemption."""
+        return self.prompt + self.generated
+
+
 class Scheduler:
-    """Decides each step from numbers alone (see the module doc); the engine applies the plan and runs the step."""
+    """Holds the wait list and the running rows and plans each step from numbers alone (see the module doc); the
+    engine runs the step and reports back (:meth:`advanced`, :meth:`remove`). Not thread-safe: the engine calls it
+    under its own lock."""
 
     def __init__(self, budget: int | None, host_budget: int | None, mode: str, max_rows: int,
                  max_batched_tokens: int) -> None:
@@ -262,10 +288,96 @@ class Scheduler:
             raise ValueError(f"max_batched_tokens must be an integer >= 1, got {max_batched_tokens!r}")
         self.budget, self.host_budget, self.mode = budget, host_budget, mode
         self.max_rows, self.max_batched_tokens = max_rows, max_batched_tokens
+        self.waiting: deque[int] = deque()  # keys, in the order they start (preempted requests at the head)
+        self.running: list[int] = []  # keys, in the order they started
+        self.seqs: dict[int, Seq] = {}
+
+    # ---- the state ----------------------------------------------------------------------------------
+    def add(self, key: int, prompt: int, chunkable: bool = True) -> None:
+        """A new request waits at the end of the wait list."""
+        if key in self.seqs:
+            raise ValueError(f"request {key} is known already")
+        if prompt < 1:
+            raise ValueError(f"request {key}: a prompt needs at least one token, got {prompt}")
+        self.seqs[key] = Seq(key, prompt, chunkable)
+        self.waiting.append(key)
+
+    def remove(self, key: int) -> bool:
+        """The request ended (finished, cancelled, expired, failed, rejected): it leaves whichever list holds it.
+        False if it was not there."""
+        if self.seqs.pop(key, None) is None:
+            return False
+        if key in self.running:
+            self.running.remove(key)
+        else:
+            self.waiting.remove(key)
+        return True
+
+    def advanced(self, key: int, tokens: int = 1) -> None:
+        """The running row drew ``tokens`` more (a preempted request prefills them again when it resumes)."""
+        self.seqs[key].generated += tokens
+
+    def preempt(self, key: int) -> None:
+        """A running row gives its place back: its request goes to the head of the wait list, to prefill its prompt
+        and what it generated when it starts again."""
+        seq = self.seqs[key]
+        self.running.remove(key)
+        seq.left, seq.preemptions = 0, seq.preemptions + 1
+        self.waiting.appendleft(key)
+
+    def is_waiting(self, key: int) -> bool:
+        return key in self.seqs and key not in self.running
+
+    def prefilling(self, key: int) -> bool:
+        """A running row with prompt tokens still to prefill (it draws nothing yet)."""
+        return self.seqs[key].left > 0
+
+    def next_tokens(self, key: int, limited: bool, reserve: int) -> int:
+        """Tokens the running row brings to its next step, at most: one to decode, else its next prompt chunk (the
+        whole prompt if its cache takes no chunks; at most its tail ``reserve`` under a T0 limit)."""
+        seq = self.seqs[key]
+        if not seq.left:
+            return 1
+        if not seq.chunkable:
+            return seq.left
+        return min(seq.left, max(1, reserve) if limited else self.max_batched_tokens)
+
+    def schedule(self, rows: list[RowNeed], waiting: list[WaitNeed]) -> Plan:
+        """Plan the next step and apply it to the lists: ``rows`` are the running rows' memory as their caches
+        report it (any order; ignored without a budget), ``waiting`` the waiting requests' needs (only read with a
+        budget: without one, pass ``[]``). Preempted rows go back to the head of the wait list (to prefill their
+        prompt and what they generated); rejected requests leave; the requests that join start running; every
+        prompt chunk of the plan is counted as prefilled (the engine runs it next)."""
+        if self.budget is None:
+            waiting = [WaitNeed(key=k, start_bytes=0, min_bytes=0, peak_bytes=0, col_bytes=0, reserve=0,
+                                can_limit=False) for k in self.waiting]
+        elif [w.key for w in waiting] != list(self.waiting):
+            raise ValueError("waiting needs must follow the wait list's order, one each")
+        if self.budget is not None and sorted(r.key for r in rows) != sorted(self.running):
+            raise ValueError("row needs must cover the running rows, one each")
+        decoding = [k for k in self.running if not self.seqs[k].left]
+        prefilling = [PromptNeed(k, self.seqs[k].left, self.seqs[k].chunkable) for k in self.running
+                      if self.seqs[k].left]
+        prompts = {k: PromptNeed(k, self.seqs[k].tokens, self.seqs[k].chunkable) for k in self.waiting}
+        rows = rows if self.budget is not None else [
+            RowNeed(key=k, next_bytes=0, col_bytes=0, reserve=0, can_limit=False, generated=0, arrived=0.0)
+            for k in self.running]
+        plan = self.plan(rows, waiting, decoding, prefilling, prompts)
+        for key in reversed(plan.memory.preempt):  # they keep their order, ahead of the requests that waited
+            self.preempt(key)
+        for key in plan.memory.reject:
+            self.remove(key)
+        for key in plan.tokens.joined:
+            self.waiting.remove(key)
+            self.running.append(key)
+            self.seqs[key].left = self.seqs[key].tokens
+        for key, n in plan.tokens.chunks:
+            self.seqs[key].left -= n
+        return plan
 
     def plan(self, rows: list[RowNeed], waiting: list[WaitNeed], decoding: list[int], prefilling: list[PromptNeed],
              prompts: dict[int, PromptNeed]) -> Plan:
-        """``rows``: every running row's memory (ignored without a budget: then only counts decide); ``waiting``:
+        """The plan alone, from the numbers given (:meth:`schedule` gives its own lists' and applies it). ``rows``: every running row's memory (ignored without a budget: then only counts decide); ``waiting``:
         the wait list in order; ``decoding``: running rows past their prompt; ``prefilling``: running rows with
         prompt left, oldest first; ``prompts``: each waiting key's prompt need, should it join."""
         if self.budget is None:

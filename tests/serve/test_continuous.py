@@ -68,11 +68,16 @@ def _req(prompt, max_tokens, policy="full", params=None, **kw):
                       params=dict(params or {}), separate_reasoning=False, **kw)
 
 
+def _sampling_kw(r: GenRequest) -> dict:
+    """A request's sampling settings and seed, to send the same request again."""
+    return {k: getattr(r, k) for k in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                                       "frequency_penalty", "repetition_penalty", "seed")}
+
+
 def _alone(model, tok, req: GenRequest, sink: bool = False):
     """The request's text served alone (a fresh engine, no budget); ``sink``: its whole event record."""
     eng = _engine(model, tok)
-    r = _req(req.prompt_ids, req.max_tokens, req.policy, req.params, temperature=req.temperature, top_p=req.top_p,
-             seed=req.seed)
+    r = _req(req.prompt_ids, req.max_tokens, req.policy, req.params, **_sampling_kw(req))
     eng.submit(r)
     assert r.sink.done.wait(120)
     eng.shutdown(grace_s=1)
@@ -117,14 +122,20 @@ def test_short_request_overtakes_a_long_one(tiny, policy, params):
     assert long.sink.text == _alone(model, tok, long)
 
 
+# the trace's sampling settings beside greedy and T 0.8 / top_p 0.9: every control, and a penalised greedy row
+EXTRA_SAMPLING = {2: dict(top_k=20), 4: dict(repetition_penalty=1.3), 5: dict(min_p=0.05, presence_penalty=0.5),
+                  8: dict(repetition_penalty=1.2, frequency_penalty=0.3), 11: dict(temperature=1.0, top_p=1.0)}
+
+
 def _trace(tok, n=12):
     """Staggered requests of mixed lengths, policies and sampling settings."""
     out = []
     for i in range(n):
         policy, params = (("full", {}) if i % 2 == 0 else ("tiered", NO_EVICT))
         sampled = i % 3 == 2
-        out.append(_req(_prompt(tok, i, 4 + 7 * (i % 5)), 10 + 9 * (i % 4), policy, params,
-                        temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0, seed=i))
+        kw = dict(temperature=0.8 if sampled else 0.0, top_p=0.9 if sampled else 1.0, seed=i)
+        kw.update(EXTRA_SAMPLING.get(i, {}))
+        out.append(_req(_prompt(tok, i, 4 + 7 * (i % 5)), 10 + 9 * (i % 4), policy, params, **kw))
     return out
 
 
@@ -159,8 +170,7 @@ def test_the_engine_steps_through_the_checked_direct_step_unless_switched_off(ti
     for r in _trace(tok, 6):
         sinks = []
         for eng in (on, off):
-            q = _req(r.prompt_ids, r.max_tokens, r.policy, r.params, temperature=r.temperature, top_p=r.top_p,
-                     seed=r.seed)
+            q = _req(r.prompt_ids, r.max_tokens, r.policy, r.params, **_sampling_kw(r))
             eng.submit(q)
             assert q.sink.done.wait(120)
             sinks.append(q.sink)

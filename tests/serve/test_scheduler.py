@@ -120,3 +120,67 @@ def test_a_prompt_under_a_t0_limit_takes_chunks_of_its_tail_reserve():
         assert p.tokens.chunks == [(5, 8)]
     unlimited = Scheduler(None, None, "demote", 8, 256).plan([_row(1, 300, limit=None)], [], [], [PromptNeed(1, 700)], {})
     assert unlimited.tokens.chunks == [(1, 256)]
+
+
+def _needs(s, rows_tokens):
+    """Row needs for the scheduler's running rows (``rows_tokens``: key -> tokens held) and wait needs for its
+    wait list, as an engine would report them."""
+    rows = [_row(k, rows_tokens.get(k, 10), generated=s.seqs[k].generated, arrived=float(k)) for k in s.running]
+    return rows, [_wait(k, s.seqs[k].tokens) for k in s.waiting]
+
+
+def test_the_scheduler_owns_the_wait_list_and_the_running_rows():
+    """Requests move between the scheduler's own lists: they join in order as slots and tokens allow, their prompt
+    chunks are counted off step by step, they decode once their prompt is in, and they leave when they end."""
+    s = Scheduler(None, None, "demote", 2, 256)
+    for key, prompt in ((1, 600), (2, 10), (3, 5)):
+        s.add(key, prompt)
+    with pytest.raises(ValueError, match="known already"):
+        s.add(1, 5)
+    p = s.schedule([], [])
+    assert p.tokens.chunks == [(1, 256)] and p.tokens.joined == [1]  # 2 could join (a slot) but no tokens are left
+    assert s.running == [1] and list(s.waiting) == [2, 3] and s.seqs[1].left == 344
+    p = s.schedule([], [])
+    assert p.tokens.chunks == [(1, 256)] and s.seqs[1].left == 88  # the running prompt goes first
+    p = s.schedule([], [])
+    assert p.tokens.chunks == [(1, 88), (2, 10)] and p.tokens.joined == [2]  # one slot was left: 3 waits
+    assert s.running == [1, 2] and list(s.waiting) == [3] and not s.prefilling(1)
+    s.advanced(1)
+    s.advanced(2)
+    p = s.schedule([], [])
+    assert p.tokens.decode == [1, 2] and p.tokens.chunks == []
+    assert s.remove(1) and not s.remove(1)  # 1 finished: 3 takes its slot
+    p = s.schedule([], [])
+    assert p.tokens.decode == [2] and p.tokens.joined == [3] and s.running == [2, 3]
+    assert s.remove(3) is True and s.running == [2] and not s.waiting
+    assert s.next_tokens(2, limited=False, reserve=8) == 1
+
+
+def test_a_preempted_row_waits_first_and_prefills_what_it_generated():
+    s = Scheduler(900 * COL, None, "recompute", 8, 256)
+    s.add(1, 200)
+    s.add(2, 200)
+    s.schedule(*_needs(s, {}))
+    s.schedule(*_needs(s, {}))  # both prompts are in (2 x 200 < 256 + 256)
+    assert s.running == [1, 2] and not s.prefilling(1) and not s.prefilling(2)
+    for _ in range(30):
+        s.advanced(1)
+        s.advanced(2)
+    s.add(3, 50)
+    p = s.schedule(*_needs(s, {1: 450, 2: 450}))  # the next step does not fit: the newest (2) is preempted
+    assert p.memory.preempt == [2] and s.running == [1] and list(s.waiting) == [2, 3]
+    assert s.seqs[2].tokens == 230 and s.seqs[2].preemptions == 1 and s.is_waiting(2)
+    p = s.schedule(*_needs(s, {1: 300}))  # room again: it starts first, with its prompt and its 30 tokens
+    assert p.tokens.joined[0] == 2 and (2, 230) in p.tokens.chunks
+    s.add(4, 10)
+    with pytest.raises(ValueError, match="waiting needs must follow"):
+        s.schedule(_needs(s, {})[0], [])  # under a budget, every waiting request's numbers are needed
+    with pytest.raises(ValueError, match="row needs must cover"):
+        s.schedule([], _needs(s, {})[1])
+
+
+def test_a_request_that_can_never_fit_leaves_the_wait_list():
+    s = Scheduler(100 * COL, None, "queue", 8, 256)
+    s.add(7, 500)
+    p = s.schedule([], [_wait(7, 500)])
+    assert p.memory.reject == [7] and not s.seqs and not s.waiting

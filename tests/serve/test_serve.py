@@ -327,8 +327,11 @@ def test_chat_and_completions_streamed_equal_whole_equal_generate(server, tiny):
     ({"messages": [{"role": "user", "content": "x"}], "logit_bias": {"5": 10}}, 400, "logit_bias is not supported"),
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}, 400,
      "response_format"),
-    ({"messages": [{"role": "user", "content": "x"}], "top_k": 20}, 400, "top_k is not supported"),
-    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 0.5}, 400, "presence_penalty"),
+    # sampling values out of range: one 400 naming the field
+    ({"messages": [{"role": "user", "content": "x"}], "top_k": -3}, 400, "top_k must be an integer"),
+    ({"messages": [{"role": "user", "content": "x"}], "presence_penalty": 3}, 400, "presence_penalty must be"),
+    ({"messages": [{"role": "user", "content": "x"}], "min_p": 1.5}, 400, "min_p must be"),
+    ({"messages": [{"role": "user", "content": "x"}], "repetition_penalty": 0}, 400, "repetition_penalty must be"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 4, "min_tokens": 8}, 400, "min_tokens must be <="),
 ])
 def test_bad_input_is_one_clear_error_and_the_server_keeps_serving(server, body, status, needle):
@@ -346,8 +349,9 @@ def test_bad_input_is_one_clear_error_and_the_server_keeps_serving(server, body,
 
 
 def test_fields_that_change_nothing_are_accepted_and_inert_values_too(server):
-    """user, metadata, store and the inert values of unhonoured fields (top_k -1, penalties 0, a text
-    response_format) are accepted as OpenAI and vLLM clients send them."""
+    """user, metadata, store, the inert values of unhonoured fields (a text response_format, an empty logit_bias)
+    and the sampling fields' off values (top_k -1, penalties 0 and 1) are accepted as OpenAI and vLLM clients send
+    them."""
     import httpx
 
     proc, url = server
