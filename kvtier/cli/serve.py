@@ -62,6 +62,14 @@ def serve(
     max_body_bytes: int = typer.Option(1 << 20, help="larger request bodies get 413, unread"),
     max_stream_buffer: int = typer.Option(1024, help="deltas a streaming client may leave unread; beyond, its "
                                                      "request is cancelled"),
+    generation_config: str = typer.Option("auto", help="sampling defaults for requests that leave fields out: auto "
+                                                       "(the model's generation_config, as vLLM's), or openai "
+                                                       "(temperature 1, top_p 1, ...)"),
+    default_temperature: Optional[float] = typer.Option(None, help="overrides the defaults above"),
+    default_top_p: Optional[float] = typer.Option(None, help="overrides the defaults above"),
+    default_top_k: Optional[int] = typer.Option(None, help="overrides the defaults above (0: off)"),
+    default_min_p: Optional[float] = typer.Option(None, help="overrides the defaults above"),
+    default_repetition_penalty: Optional[float] = typer.Option(None, help="overrides the defaults above"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto", help="auto (bf16 on CUDA and bf16-capable CPUs, else fp32), bf16, fp16, fp32"),
 ):
@@ -111,9 +119,26 @@ def serve(
                             host_kv_budget=None if host_kv_budget is None else parse_bytes("--host-kv-budget", host_kv_budget),
                             max_batched_tokens=max_batched_tokens, prefill_tokens=prefill_tokens,
                             linear=linear_mode(), direct_step=direct_step)
+        if generation_config not in ("auto", "openai"):
+            raise ValueError(f"--generation-config must be auto or openai, got {generation_config!r}")
+        given = {k: v for k, v in (("temperature", default_temperature), ("top_p", default_top_p),
+                                   ("top_k", default_top_k), ("min_p", default_min_p),
+                                   ("repetition_penalty", default_repetition_penalty)) if v is not None}
+        from ..sampling import OPENAI_DEFAULTS, SamplingParams, model_defaults
+
+        try:
+            SamplingParams(**{**OPENAI_DEFAULTS, **given})
+        except ValueError as e:
+            raise ValueError(f"--default-{str(e).replace('_', '-')}") from None
         resolve_dtype(dtype, resolve_device(device))
         m, tok = kvtier.load_model(model, device=device, dtype=dtype, linear="eager")  # the engine's thread packs
         settings.position_limit = getattr(m.config, "max_position_embeddings", None)
+        from_model = model_defaults(m.generation_config) if generation_config == "auto" else {}
+        settings.sampling_defaults = {**from_model, **given}
+        settings.sampling_source = " + ".join(
+            x for x in ("the model's generation_config" if from_model else "", "--default-*" if given else "") if x
+        ) or "OpenAI's defaults"
+        settings.__post_init__()
         shown = ", ".join(f"{k} {v}" for k, v in params.items())
 
         def ready(server):
@@ -126,12 +151,23 @@ def serve(
             step += f", {mlps} MLPs fused" if mlps else ""
             console.print(f"kvtier serve: {settings.served_name} on http://{host}:{port}/v1 · policy {policy}"
                           f"{f' ({shown})' if shown else ''} · {eng.describe()}, queue {max_queue}{step}"
+                          + f" · sampling defaults: {_sampling_line(settings)}"
                           + (f" · {len(keys)} API key(s)" if keys else " · no API key"), highlight=False)
 
         run_server(m, tok, settings, ecfg, host=host, port=port, grace_s=grace, on_ready=ready)
         console.print("kvtier serve: stopped", highlight=False)
 
     run_command(go)
+
+
+def _sampling_line(settings) -> str:
+    """The startup line's account of what a request without sampling fields gets, and from where."""
+    from ..sampling import OPENAI_DEFAULTS
+
+    d = {**OPENAI_DEFAULTS, **settings.sampling_defaults}
+    shown = ", ".join(f"{k} {d[k]}" for k in ("temperature", "top_p") + tuple(
+        k for k in ("top_k", "min_p", "repetition_penalty") if d[k] != OPENAI_DEFAULTS[k]))
+    return f"{shown} ({settings.sampling_source})"
 
 
 @app.command("bench-serve")

@@ -48,6 +48,9 @@ class SamplingParams:
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
 
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in OPENAI_DEFAULTS}
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
@@ -60,3 +63,22 @@ class SamplingParams:
     def filtered(self) -> bool:
         """Whether any of top_k, top_p, min_p cuts the distribution."""
         return bool(self.top_k or self.top_p < 1.0 or self.min_p)
+
+
+# the sampling fields a request may leave out, with what OpenAI's API gives then
+OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                   "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+
+
+def model_defaults(generation_config) -> dict:
+    """The sampling defaults a model's ``generation_config`` recommends: the fields its creator set (transformers'
+    ``to_diff_dict``: not the library's own defaults), as vLLM's ``--generation-config auto`` reads them; ``{}`` when
+    it sets none or says ``do_sample: false``."""
+    if generation_config is None:
+        return {}
+    diff = generation_config.to_diff_dict() if hasattr(generation_config, "to_diff_dict") else dict(generation_config)
+    if diff.get("do_sample") is False:
+        return {}
+    out = {k: diff[k] for k in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty") if diff.get(k) is not None}
+    SamplingParams(**{**OPENAI_DEFAULTS, **out})  # a value out of range is the model's error: say so at startup
+    return out

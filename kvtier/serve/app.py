@@ -59,9 +59,19 @@ class ServeSettings:
     max_stop: int = 4  # OpenAI's limit
     max_stop_chars: int = 256
     max_stream_buffer: int = 1024  # deltas waiting for a client that does not read its stream; beyond, the row is cancelled
+    # what a request that leaves a sampling field out gets (the model's generation_config and --default-*; any field
+    # not here: OpenAI's default), and where they came from, for the startup line
+    sampling_defaults: dict = field(default_factory=dict)
+    sampling_source: str = "OpenAI's defaults"
 
     def __post_init__(self) -> None:
         from ..policies import validate_policy
+        from ..sampling import OPENAI_DEFAULTS, SamplingParams
+
+        unknown = sorted(set(self.sampling_defaults) - set(OPENAI_DEFAULTS))
+        if unknown:
+            raise ValueError(f"sampling defaults {unknown} are not sampling fields; known: {sorted(OPENAI_DEFAULTS)}")
+        SamplingParams(**{**OPENAI_DEFAULTS, **self.sampling_defaults})
 
         self.full_params = validate_policy(self.policy, self.params)
         for name in ("max_new_tokens", "retry_after_s"):
@@ -364,15 +374,18 @@ class Server:
         policy, params = self.cache_settings(block)
         from .text import prompt_opens_think
 
-        sampling = {k: getattr(body, k) for k in SAMPLING_FIELDS if getattr(body, k) is not None}
+        # a field the request leaves out (or sends null) takes the server's default: the model's or OpenAI's
+        sent = {k for k in body.model_fields_set if getattr(body, k) is not None}
+        sampling = {k: getattr(body, k) if k in sent else self.s.sampling_defaults.get(k, getattr(body, k))
+                    for k in ("temperature", "top_p", *SAMPLING_FIELDS)}
+        sampling = {k: v for k, v in sampling.items() if v is not None}
         penalties = [k for k in ("presence_penalty", "frequency_penalty") if sampling.get(k)] + (
             ["repetition_penalty"] if sampling.get("repetition_penalty", 1) != 1 else [])
         if penalties and not self.engine.penalties:
             raise APIError(400, f"{penalties[0]} is not supported by --scheduler static (it would change the output; "
                            "use --scheduler continuous, the default)", penalties[0])
         req = GenRequest(prompt_ids=list(ids), max_tokens=int(max_tokens), sink=lambda ev: None, policy=policy,
-                         params=params, temperature=float(body.temperature), top_p=float(body.top_p), stop=stop,
-                         seed=body.seed, ignore_eos=bool(body.ignore_eos), min_tokens=int(min_tokens),
+                         params=params, stop=stop, seed=body.seed, ignore_eos=bool(body.ignore_eos), min_tokens=int(min_tokens),
                          deadline=time.monotonic() + self.s.request_timeout_s,
                          separate_reasoning=self.s.reasoning == "separate" and chat,
                          in_think=chat and prompt_opens_think(prompt), **sampling)

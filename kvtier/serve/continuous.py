@@ -406,6 +406,7 @@ class ContinuousEngine(EngineBase):
             "kvtier": {
                 "policy": r.policy,
                 "params": dict(r.params),
+                "sampling": row.params.as_dict(),  # what it was drawn with (the request's fields, else the defaults)
                 "scheduler": "continuous",
                 "batch_size": len(self.rows),  # rows running when it finished
                 "tier_tokens": c.row_tokens(0) if c is not None else None,

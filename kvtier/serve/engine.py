@@ -259,6 +259,7 @@ class _Rows:
             "kvtier": {
                 "policy": r.policy,
                 "params": dict(r.params),
+                "sampling": r.sampling().as_dict(),
                 "batch_size": len(self.batch),
                 "tier_tokens": self.cache.row_tokens(i),
                 "batch_peak_device_kv_bytes": stats.get("peak_device_kv_bytes"),  # the whole batch's, so far

@@ -23,6 +23,7 @@ pytest.importorskip("openai")
 import kvtier  # noqa: E402
 from kvtier.compat import cache_kw  # noqa: E402
 from kvtier.models import byte_tokenizer, random_model  # noqa: E402
+from kvtier.serve.continuous import ContinuousEngine  # noqa: E402
 from kvtier.serve.engine import Engine, EngineConfig, GenRequest, QueueFull  # noqa: E402
 from kvtier.serve.text import Assembler, Detokenizer  # noqa: E402
 
@@ -609,3 +610,41 @@ def test_serve_quiets_the_tokenizers_thread_pool_unless_told(monkeypatch):
     assert quiet_tokenizer_threads() and os.environ["TOKENIZERS_PARALLELISM"] == "false"
     monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
     assert not quiet_tokenizer_threads() and os.environ["TOKENIZERS_PARALLELISM"] == "true"
+
+
+def test_requests_without_sampling_fields_get_the_models_generation_config(tiny):
+    """A model whose generation_config recommends sampling settings is served with them when a request names none
+    (as vLLM's --generation-config auto); the request's own fields win; usage.kvtier.sampling says what applied.
+    transformers' library defaults (top_k 50, ...) are not a model's recommendation."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from transformers import GenerationConfig
+
+    from kvtier.sampling import model_defaults
+    from kvtier.serve.app import ServeSettings, create_app
+
+    model, tok = tiny
+    assert model_defaults(GenerationConfig()) == {} and model_defaults(None) == {}
+    assert model_defaults(GenerationConfig(do_sample=False, temperature=0.3)) == {}
+    gc = GenerationConfig(do_sample=True, temperature=0.6, top_p=0.9, top_k=7, repetition_penalty=1.1)
+    defaults = model_defaults(gc)
+    assert defaults == {"temperature": 0.6, "top_p": 0.9, "top_k": 7, "repetition_penalty": 1.1}
+    settings = ServeSettings(served_name="tiny", policy="full", max_new_tokens=8, sampling_defaults=defaults)
+    with pytest.raises(ValueError, match="top_k must be"):
+        ServeSettings(served_name="tiny", policy="full", sampling_defaults={"top_k": -5})
+    with pytest.raises(ValueError, match="not sampling fields"):
+        ServeSettings(served_name="tiny", policy="full", sampling_defaults={"beam": 2})
+    app = create_app(ContinuousEngine(model, tok, EngineConfig(max_batch=2)), settings)
+    with TestClient(app) as client:
+        body = {"model": "tiny", "prompt": "2+2=", "max_tokens": 4, "seed": 1}
+        got = client.post("/v1/completions", json=body).json()["usage"]["kvtier"]["sampling"]
+        assert got == {"temperature": 0.6, "top_p": 0.9, "top_k": 7, "min_p": 0.0, "presence_penalty": 0.0,
+                       "frequency_penalty": 0.0, "repetition_penalty": 1.1}
+        mine = client.post("/v1/completions", json={**body, "temperature": 0, "top_k": None, "min_p": 0.2})
+        got = mine.json()["usage"]["kvtier"]["sampling"]
+        assert got["temperature"] == 0 and got["top_k"] == 7 and got["min_p"] == 0.2 and got["top_p"] == 0.9
+    plain = create_app(ContinuousEngine(model, tok, EngineConfig(max_batch=2)),
+                       ServeSettings(served_name="tiny", policy="full", max_new_tokens=8))
+    with TestClient(plain) as client:
+        got = client.post("/v1/completions", json={"prompt": "2+2=", "max_tokens": 2}).json()["usage"]["kvtier"]
+        assert got["sampling"]["temperature"] == 1.0 and got["sampling"]["top_k"] == 0  # OpenAI's defaults
