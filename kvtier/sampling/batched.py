@@ -51,7 +51,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
     rest = [i for i in range(B) if i not in set(plain)]
     if not rest:
         return out
-    x = logits[rest].float() if len(rest) < B else logits.float().clone()  # (n, V): its own float32 copy
+    x = logits[rest].float() if len(rest) < B else (  # (n, V): its own float32 copy
+        logits.clone() if logits.dtype == torch.float32 else logits.float())
     for r, i in enumerate(rest):
         p = params[i]
         if ban[i]:
@@ -75,6 +76,11 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
     return out
 
 
+def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """``x[rows]`` without the gather's copy when ``rows`` is every row in order (a (32, 152K) gather took ~10 ms)."""
+    return x if len(rows) == x.shape[0] else x[rows]
+
+
 def weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """:func:`kvtier.sampling.reference.weights` for every row of ``x`` (n, V) float32 (penalised logits) at once;
     ``x`` may be overwritten."""
@@ -85,7 +91,7 @@ def weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     if any(ks):
         kmax = max(ks)
         rows = [r for r, k in enumerate(ks) if k]
-        vals = x[rows].topk(kmax, dim=-1).values  # (m, kmax), largest first
+        vals = _rows(x, rows).topk(kmax, dim=-1).values  # (m, kmax), largest first
         kth = torch.full((n,), float("-inf"))
         kth[rows] = vals[torch.arange(len(rows)), torch.tensor([ks[r] - 1 for r in rows])]
         x = x.masked_fill_(x < kth[:, None], float("-inf"))
@@ -93,10 +99,10 @@ def weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     cut = torch.zeros(n, dtype=probs.dtype)
     top_p = [r for r, p in enumerate(params) if p.top_p < 1.0]
     if top_p:
-        cut[top_p] = _top_p_cuts(probs[top_p], [params[r].top_p for r in top_p])
+        cut[top_p] = _top_p_cuts(_rows(probs, top_p), [params[r].top_p for r in top_p])
     min_p = [r for r, p in enumerate(params) if p.min_p]
     if min_p:
-        floor = torch.tensor([params[r].min_p for r in min_p], dtype=torch.float32) * probs[min_p].amax(dim=-1)
+        floor = torch.tensor([params[r].min_p for r in min_p], dtype=torch.float32) * _rows(probs, min_p).amax(dim=-1)
         cut[min_p] = torch.maximum(cut[min_p], floor)
     if top_p or min_p:
         probs = probs.masked_fill_(probs < cut[:, None], 0.0)
@@ -115,7 +121,7 @@ def _top_p_cuts(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
     todo = torch.arange(m)
     for k in CANDIDATES:
         k = min(k, V)
-        s = probs[todo].topk(k, dim=-1).values
+        s = (probs if len(todo) == m else probs[todo]).topk(k, dim=-1).values
         n = (s.double().cumsum(-1) < p[todo, None]).sum(-1)  # tokens before the one that reaches top_p
         reached = (n < k) | (k == V)
         cuts[todo[reached]] = s[reached, n[reached].clamp(max=k - 1)]
