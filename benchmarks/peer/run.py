@@ -129,7 +129,9 @@ def server_cmd(system: str, a, port: int, wl: str, rep: int = 0) -> tuple[list[s
     policy = system.split("-", 1)[1]
     cmd = [sys.executable, "-m", "kvtier", "serve", "--model", a.kvtier_model, "--dtype", a.kvtier_dtype, "--device",
            "cpu", "--port", str(port), "--served-name", SERVED, "--policy", policy, "--max-batch", str(a.max_batch),
-           "--max-queue", "512"]
+           "--max-queue", "512",
+           # vLLM ends no request on a clock; kvtier's default 600 s deadline cut W3's last requests short
+           "--request-timeout", "86400"]
     if policy == "tiered":
         cmd += ["--hbm-ratio", str(a.hbm_ratio), "--evict-ratio", str(a.evict_ratio)]
     if a.max_batched_tokens:
@@ -182,8 +184,9 @@ def run(a) -> None:
         order = systems[rep % len(systems):] + systems[: rep % len(systems)]
         for wl in a.workloads.split(","):
             for system in order:
+                only = {int(c) for c in a.clients.split(",") if c.strip()}
                 todo = [(c, s) for c in WORKLOADS[wl][2] for s in a.sampling.split(",")
-                        if (system, wl, c, s, rep) not in have]
+                        if (system, wl, c, s, rep) not in have and (not only or c in only)]
                 if not todo:
                     continue
                 port = free_port()
@@ -303,6 +306,8 @@ def main() -> None:
     ap.add_argument("--systems", default="vllm,kvtier-full,kvtier-tiered")
     ap.add_argument("--workloads", default="W1,W2")
     ap.add_argument("--sampling", default="greedy", help="greedy,sampled")
+    ap.add_argument("--clients", default="", help="only these client counts (comma-separated; default: each "
+                    "workload's own)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--model-dir", default=str(Path(os.environ.get("KVTIER_CACHE", Path.home() / ".cache" / "kvtier"))
                                                / "converted" / "qwen2.5-coder-0.5b-instruct-bfloat16"),

@@ -82,8 +82,8 @@ def test_split_matches_ordered(model_name, request):
         # logits up to ~8): Intel Xeon 2e-4 eager / 2.2e-3 fused kernel; AMD EPYC 1.07e-2 both (the first
         # difference above 1e-4 appears after the reassignment at step 72, not before). Tokens and placements
         # stay identical. Without T2: float32 rounding drifting through 128 steps (measured worst: 8.9e-6
-        # Qwen2, 1.3e-5 Llama)
-        assert d_log <= (2e-5 if quant == 0 else 3e-2), f"{what}: logits differ by {d_log}"
+        # Qwen2, 1.3e-5 Llama on the Xeon; 2.2e-5 Qwen2 on a 2-core AMD EPYC with AVX2 only)
+        assert d_log <= (4e-5 if quant == 0 else 3e-2), f"{what}: logits differ by {d_log}"
         # scores: 1.0e-6 measured worst without T2; with T2 the same int8 flips move the weights (EPYC: 6.8e-4)
         assert d_sc <= (2e-6 if quant == 0 else 2e-3), f"{what}: scores differ by {d_sc}"
         worst = {"logits": max(worst["logits"], d_log), "scores": max(worst["scores"], d_sc)}

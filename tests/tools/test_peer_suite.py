@@ -37,6 +37,7 @@ def test_both_servers_get_the_same_client_command_and_their_own_settings(tmp_pat
     kcmd, _ = run.server_cmd("kvtier-tiered", a, 8000, "W3")
     assert kcmd[kcmd.index("--device-kv-budget") + 1] == str(8192 * 12288)  # the same bytes as vLLM's pool
     assert kcmd[kcmd.index("--policy") + 1] == "tiered" and "--hbm-ratio" in kcmd
+    assert float(kcmd[kcmd.index("--request-timeout") + 1]) >= 86400  # no deadline vLLM does not have
     kfull, _ = run.server_cmd("kvtier-full", a, 8000, "W1")
     assert kfull[kfull.index("--policy") + 1] == "full" and "--device-kv-budget" not in kfull
 
