@@ -46,7 +46,7 @@ from ..step.direct import rows_logits
 from ..tiers.layout import grown_capacity
 from .engine import EngineBase, GenRequest, NeverFits
 from .output import RowOutput, safe_sink
-from .scheduler import Plan, PromptNeed, RowNeed, Scheduler, WaitNeed
+from .scheduler import Plan, RowNeed, Scheduler, WaitNeed
 
 log = logging.getLogger(__name__)
 
@@ -327,12 +327,13 @@ class ContinuousEngine(EngineBase):
         """One forward over the plan: each decoding row's next token and each prompt chunk, packed end to end in
         one sequence (:class:`kvtier.cache.rows.RowsCache` with ``lengths``); every row whose prompt is complete
         draws its next token."""
-        rows, seqs, chunks = [], [], []
+        rows, seqs, chunks, decoded = [], [], [], []
         for key in plan.tokens.decode:
             row = self._rows.get(key)
             if row is not None and not row.done and row.cache is not None:
                 rows.append(row)
                 seqs.append([row.generated[-1]])
+                decoded.append(key)
         for key, n in plan.tokens.chunks:
             row = self._rows.get(key)
             if row is not None and not row.done and row.cache is not None:
@@ -366,7 +367,7 @@ class ContinuousEngine(EngineBase):
         self.metrics.add_tokens(produced)
         self.metrics.steps += 1
         ms = 1e3 * (time.perf_counter() - t0)
-        self.step_log.append({"step": self.metrics.steps, "decode": [k for k in plan.tokens.decode if k in self._rows],
+        self.step_log.append({"step": self.metrics.steps, "decode": decoded,
                               "chunks": chunks, "ms": ms})
         if log.isEnabledFor(logging.DEBUG):  # KVTIER_LOG=debug: what each step held and took
             # (rows in the step, of them carrying a prompt chunk, the chunks' tokens: benchmarks/serve_steps.py)
