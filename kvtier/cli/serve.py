@@ -70,6 +70,10 @@ def serve(
     default_top_k: Optional[int] = typer.Option(None, help="overrides the defaults above (0: off)"),
     default_min_p: Optional[float] = typer.Option(None, help="overrides the defaults above"),
     default_repetition_penalty: Optional[float] = typer.Option(None, help="overrides the defaults above"),
+    logprobs_mode: str = typer.Option("raw_logprobs", help="what a request's logprobs are of: raw_logprobs (the "
+                                                            "model's logits, vLLM's default) or processed_logprobs "
+                                                            "(the logits each token was drawn from: penalties, "
+                                                            "temperature, top_k/top_p/min_p)"),
     device: str = typer.Option("auto"),
     dtype: str = typer.Option("auto", help="auto (bf16 on CUDA and bf16-capable CPUs, else fp32), bf16, fp16, fp32"),
 ):
@@ -118,7 +122,7 @@ def serve(
                             device_kv_fraction=device_kv_fraction, on_pressure=on_pressure,
                             host_kv_budget=None if host_kv_budget is None else parse_bytes("--host-kv-budget", host_kv_budget),
                             max_batched_tokens=max_batched_tokens, prefill_tokens=prefill_tokens,
-                            linear=linear_mode(), direct_step=direct_step)
+                            linear=linear_mode(), direct_step=direct_step, logprobs_mode=logprobs_mode)
         if generation_config not in ("auto", "openai"):
             raise ValueError(f"--generation-config must be auto or openai, got {generation_config!r}")
         given = {k: v for k, v in (("temperature", default_temperature), ("top_p", default_top_p),

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from .logprobs import TokenLogprobs, check_mode, pick
 from .params import SamplingParams
 from .reference import penalise, uniform
 
@@ -37,43 +38,74 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[t
     read only by the penalties. ``banned[i]``: tokens the row may not take this step (their logits set to -inf
     first: ``min_tokens`` bans the end-of-sequence tokens). ``greedy_pick``: ``(R, V) -> (R,)`` first maxima of raw
     logits (default ``x.float().argmax(-1)``)."""
+    return sample_rows_logprobs(logits, params, gens, history, banned, greedy_pick)[0]
+
+
+def sample_rows_logprobs(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
+                         history: list[tuple[list[int], list[int]]] | None = None,
+                         banned: list[list[int] | None] | None = None,
+                         greedy_pick: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                         logprobs: list[int | None] | None = None,
+                         mode: str = "raw_logprobs") -> tuple[list[int], list[TokenLogprobs | None]]:
+    """:func:`sample_rows`'s tokens, and for each row whose ``logprobs[i]`` is a number k (None: the row does not
+    ask) its token's log-probability and its k likeliest tokens' (:mod:`kvtier.sampling.logprobs`; ``mode``
+    ``raw_logprobs`` or ``processed_logprobs``), computed for the rows that ask only."""
     B, V = logits.shape
     if len(params) != B or len(gens) != B:
         raise ValueError(f"params and gens must have one entry per row ({B}), got {len(params)} and {len(gens)}")
+    want = logprobs or [None] * B
+    if len(want) != B:
+        raise ValueError(f"logprobs must have one entry per row ({B}), got {len(want)}")
+    processed = check_mode(mode) == "processed_logprobs"
+    lps: dict[int, torch.Tensor] = {}  # processed mode: row -> its log-probabilities (V,), as they are known
     out = [0] * B
     ban = banned or [None] * B
     plain = [i for i, p in enumerate(params) if p.greedy and not p.penalised and not ban[i]]
     if plain:
-        pick = greedy_pick or (lambda x: x.float().argmax(dim=-1))
-        picked = pick(logits if len(plain) == B else logits[plain]).tolist()
+        pick_ = greedy_pick or (lambda x: x.float().argmax(dim=-1))
+        picked = pick_(logits if len(plain) == B else logits[plain]).tolist()
         for i, t in zip(plain, picked):
             out[i] = int(t)
+            if processed and want[i] is not None:  # a plain greedy row's processed logits are its raw ones
+                lps[i] = torch.log_softmax(logits[i].float(), dim=-1)
     rest = [i for i in range(B) if i not in set(plain)]
-    if not rest:
-        return out
-    x = logits[rest].float() if len(rest) < B else (  # (n, V): its own float32 copy
-        logits.clone() if logits.dtype == torch.float32 else logits.float())
-    for r, i in enumerate(rest):
-        p = params[i]
-        if ban[i]:
-            x[r, ban[i]] = float("-inf")
-        if p.penalised:
-            x[r] = penalise(x[r], p, *(history[i] if history else (None, None)))
-    sampled = []
-    for r, i in enumerate(rest):
-        if params[i].greedy:
-            out[i] = int(x[r].argmax())
-        else:
-            sampled.append(r)
-    if not sampled:
-        return out
-    rows = [rest[r] for r in sampled]
-    xs = x if len(sampled) == len(rest) else x[sampled]
-    w = weights_rows(xs, [params[i] for i in rows])
-    toks = draw_rows(w, torch.tensor([uniform(gens[i]) for i in rows], dtype=torch.float64))
-    for i, t in zip(rows, toks.tolist()):
-        out[i] = int(t)
-    return out
+    if rest:
+        x = logits[rest].float() if len(rest) < B else (  # (n, V): its own float32 copy
+            logits.clone() if logits.dtype == torch.float32 else logits.float())
+        for r, i in enumerate(rest):
+            p = params[i]
+            if ban[i]:
+                x[r, ban[i]] = float("-inf")
+            if p.penalised:
+                x[r] = penalise(x[r], p, *(history[i] if history else (None, None)))
+        sampled = []
+        for r, i in enumerate(rest):
+            if params[i].greedy:
+                out[i] = int(x[r].argmax())
+                if processed and want[i] is not None:
+                    lps[i] = torch.log_softmax(x[r], dim=-1)
+            else:
+                sampled.append(r)
+        if sampled:
+            rows = [rest[r] for r in sampled]
+            xs = x if len(sampled) == len(rest) else x[sampled]
+            w, cut = _weights_rows(xs, [params[i] for i in rows])  # xs now holds the logits after T and top_k
+            if processed:
+                for j, i in enumerate(rows):
+                    if want[i] is not None:  # top_p's and min_p's left-out tokens are the zero weights (see below)
+                        y = xs[j].masked_fill(w[j] == 0, float("-inf")) if float(cut[j]) > 0 else xs[j]
+                        lps[i] = torch.log_softmax(y, dim=-1)
+            toks = draw_rows(w, torch.tensor([uniform(gens[i]) for i in rows], dtype=torch.float64))
+            for i, t in zip(rows, toks.tolist()):
+                out[i] = int(t)
+    asking = [i for i in range(B) if want[i] is not None]
+    entries: list[TokenLogprobs | None] = [None] * B
+    if asking:
+        lp = torch.stack([lps[i] for i in asking]) if processed else torch.log_softmax(
+            _rows(logits, asking).float(), dim=-1)
+        for i, e in zip(asking, pick(lp, [out[i] for i in asking], [int(want[i]) for i in asking])):
+            entries[i] = e
+    return out, entries
 
 
 def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
@@ -84,9 +116,17 @@ def _rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
 def weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """:func:`kvtier.sampling.reference.weights` for every row of ``x`` (n, V) float32 (penalised logits) at once;
     ``x`` may be overwritten."""
+    return _weights_rows(x, params)[0]
+
+
+def _weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`weights_rows`'s weights (n, V) and each row's top_p / min_p cut (n,) (0: neither set); ``x`` is left
+    holding the logits after the temperature and top_k (the processed logits but for the cut). Where a row's cut
+    is above 0, its zero weights are exactly the tokens the cut leaves out: a probability that underflowed to 0 is
+    below any cut too."""
     n, V = x.shape
     inv = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
-    x = x.mul_(inv[:, None])
+    x.mul_(inv[:, None])
     ks = [p.top_k if p.top_k and p.top_k < V else 0 for p in params]
     if any(ks):
         kmax = max(ks)
@@ -94,7 +134,7 @@ def weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         vals = _rows(x, rows).topk(kmax, dim=-1).values  # (m, kmax), largest first
         kth = torch.full((n,), float("-inf"))
         kth[rows] = vals[torch.arange(len(rows)), torch.tensor([ks[r] - 1 for r in rows])]
-        x = x.masked_fill_(x < kth[:, None], float("-inf"))
+        x.masked_fill_(x < kth[:, None], float("-inf"))
     probs = torch.softmax(x, dim=-1)
     cut = torch.zeros(n, dtype=probs.dtype)
     top_p = [r for r, p in enumerate(params) if p.top_p < 1.0]
@@ -106,7 +146,7 @@ def weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         cut[min_p] = torch.maximum(cut[min_p], floor)
     if top_p or min_p:
         probs = probs.masked_fill_(probs < cut[:, None], 0.0)
-    return probs
+    return probs, cut
 
 
 def _top_p_cuts(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from .logprobs import TokenLogprobs
 from .params import SamplingParams
 
 
@@ -32,10 +33,9 @@ def uniform(gen: torch.Generator | None) -> float:
     return float(torch.rand((), generator=gen, dtype=torch.float64))
 
 
-def weights(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """The row's sampling weights (V,) float32 from its penalised logits ``x``: the probabilities after
-    temperature and top_k, zero outside top_p's and min_p's sets (see :class:`SamplingParams` for the order).
-    Full sorts; ties at every boundary kept."""
+def _scaled(x: torch.Tensor, p: SamplingParams) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the logits after the temperature and top_k (V,), their probabilities, top_p's and min_p's cut: tokens less
+    likely than it are left out; 0 when neither is set)."""
     x = x * torch.tensor(1.0 / p.temperature, dtype=torch.float32)  # (the batched step's very operation)
     if p.top_k and p.top_k < x.numel():
         kth = x.sort(descending=True).values[p.top_k - 1]
@@ -48,7 +48,44 @@ def weights(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         cut = s[min(n, s.numel() - 1)]
     if p.min_p:
         cut = torch.maximum(cut, torch.tensor(p.min_p, dtype=torch.float32) * probs.max())
+    return x, probs, cut
+
+
+def weights(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The row's sampling weights (V,) float32 from its penalised logits ``x``: the probabilities after
+    temperature and top_k, zero outside top_p's and min_p's sets (see :class:`SamplingParams` for the order).
+    Full sorts; ties at every boundary kept."""
+    _, probs, cut = _scaled(x, p)
     return probs.masked_fill(probs < cut, 0.0)
+
+
+def processed_logits(x: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The logits (V,) float32 a token is drawn from, given the row's penalised logits ``x``: after the temperature
+    and top_k, the tokens top_p and min_p leave out at ``-inf`` (their softmax is :func:`weights` normalised). A
+    greedy row's are ``x`` itself."""
+    if p.greedy:
+        return x
+    y, probs, cut = _scaled(x, p)
+    return y.masked_fill(probs < cut, float("-inf")) if float(cut) > 0 else y
+
+
+def logprobs_reference(logits: torch.Tensor, p: SamplingParams, token: int, k: int, mode: str = "raw_logprobs",
+                       history: tuple[list[int], list[int]] | None = None,
+                       banned: list[int] | None = None) -> TokenLogprobs:
+    """The drawn ``token``'s log-probability and the ``k`` likeliest tokens' from the row's logits (V,), plainly:
+    ``log_softmax`` of the raw logits, or of :func:`processed_logits` (after the penalties and the ``banned``
+    tokens at ``-inf``); the alternatives by a full sort."""
+    x = logits.float()
+    if mode == "processed_logprobs":
+        x = penalise(x, p, *(history or (None, None)))
+        if banned:
+            x = x.clone()
+            x[banned] = float("-inf")
+        x = processed_logits(x, p)
+    lp = torch.log_softmax(x, dim=-1)
+    s = lp.sort(descending=True, stable=True)
+    top = tuple(zip(s.indices[:k].tolist(), s.values[:k].tolist()))
+    return TokenLogprobs(int(token), float(lp[token]), top)
 
 
 def draw(w: torch.Tensor, u: float) -> int:

@@ -31,6 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from .engine import EngineBase, GenRequest, NeverFits, QueueFull, ShuttingDown
+from .logprobs import TokenText, chat_content, completion_block
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +123,10 @@ class APIError(Exception):
 def _schemas(settings: ServeSettings):
     """Request and response bodies (pydantic, imported with the optional extra), bounded by ``settings``; they are what
     ``/openapi.json`` publishes. Unknown top-level OpenAI fields are ignored as OpenAI ignores them; those kvtier
-    cannot honour (``n`` > 1, ``logprobs``, tools, ``echo``) are errors named in the message."""
+    cannot honour (``n`` > 1, ``prompt_logprobs``, tools, ``echo``) are errors named in the message."""
     from pydantic import BaseModel, ConfigDict, Field
+
+    from ..sampling import MAX_LOGPROBS
 
     long_text = Field(max_length=1 << 22)  # a message or prompt of up to 4 Mi characters (the body limit binds first)
 
@@ -165,7 +168,6 @@ def _schemas(settings: ServeSettings):
                                                           Field(max_length=settings.max_stop)], None] = None
         n: int = 1
         seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 64)
-        logprobs: Optional[Any] = None
         ignore_eos: bool = False  # vLLM's extension: decode through end-of-sequence tokens up to max_tokens (load tests)
         min_tokens: Optional[int] = Field(None, ge=0)  # vLLM's extension: no end of sequence before this many tokens
         # sampling beyond temperature and top_p (vLLM's names and ranges; checked by SamplingParams: a bad value is a
@@ -180,7 +182,6 @@ def _schemas(settings: ServeSettings):
         logit_bias: Optional[dict] = None
         response_format: Optional[Any] = None
         best_of: Optional[int] = None
-        top_logprobs: Optional[int] = None
         prompt_logprobs: Optional[Any] = None
         guided_json: Optional[Any] = None
         guided_regex: Optional[Any] = None
@@ -193,6 +194,10 @@ def _schemas(settings: ServeSettings):
 
     class Chat(Common):
         messages: list[Message] = Field(min_length=1, max_length=settings.max_messages)
+        # each token's log-probability (kvtier serve --logprobs-mode: raw_logprobs or processed_logprobs), and with
+        # top_logprobs that many likeliest alternatives at each position
+        logprobs: Optional[bool] = None
+        top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
         max_completion_tokens: Optional[int] = Field(None, ge=1)
         tools: Optional[list] = None
         tool_choice: Optional[Any] = None
@@ -201,6 +206,8 @@ def _schemas(settings: ServeSettings):
 
     class Completion(Common):
         prompt: str = Field(min_length=1, max_length=1 << 22)
+        logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)  # each token's, and this many alternatives'
+        top_logprobs: Optional[int] = None  # a chat field: here a 400 that says to send logprobs: k
         echo: bool = False
         suffix: Optional[str] = None
 
@@ -221,6 +228,24 @@ def _schemas(settings: ServeSettings):
         total_tokens: int
         kvtier: Optional[dict] = None  # tier tokens, peak device KV, bytes moved, finish reason
 
+    class TopLogprob(BaseModel):
+        token: str
+        logprob: float  # -9999.0: a token the sampling settings left out (processed_logprobs)
+        bytes: Optional[list[int]] = None
+
+    class TokenLogprob(TopLogprob):
+        top_logprobs: list[TopLogprob]
+
+    class ChatLogprobs(BaseModel):
+        content: Optional[list[TokenLogprob]] = None
+        refusal: Optional[list[TokenLogprob]] = None
+
+    class TextLogprobs(BaseModel):
+        tokens: list[str]
+        token_logprobs: list[float]
+        top_logprobs: list[dict[str, float]]
+        text_offset: list[int]
+
     class AssistantMessage(BaseModel):
         role: Literal["assistant"]
         content: str
@@ -229,7 +254,7 @@ def _schemas(settings: ServeSettings):
     class ChatChoice(BaseModel):
         index: int
         message: AssistantMessage
-        logprobs: None = None
+        logprobs: Optional[ChatLogprobs] = None
         finish_reason: Optional[str] = None
 
     class ChatCompletion(BaseModel):
@@ -243,7 +268,7 @@ def _schemas(settings: ServeSettings):
     class TextChoice(BaseModel):
         index: int
         text: str
-        logprobs: None = None
+        logprobs: Optional[TextLogprobs] = None
         finish_reason: Optional[str] = None
 
     class TextCompletion(BaseModel):
@@ -282,6 +307,7 @@ class Server:
     def __init__(self, engine: EngineBase, settings: ServeSettings):
         self.engine, self.s = engine, settings
         self.tok = engine.tokenizer
+        self.token_text = TokenText(self.tok)  # token ids -> their texts and bytes in logprobs blocks
         self.draining = False
         self.created = int(time.time())
         self.counts: dict[tuple[str, int], int] = {}
@@ -317,8 +343,7 @@ class Server:
                            "model", "model_not_found")
         if body.n != 1:
             raise APIError(400, f"n must be 1 (one completion per request), got {body.n}", "n")
-        if body.logprobs not in (None, False, 0):
-            raise APIError(400, "logprobs are not supported", "logprobs")
+        logprobs = self.logprobs_asked(body, chat)
         if chat:
             if body.tools:
                 raise APIError(400, "tools are not supported", "tools")
@@ -386,6 +411,7 @@ class Server:
                            "use --scheduler continuous, the default)", penalties[0])
         req = GenRequest(prompt_ids=list(ids), max_tokens=int(max_tokens), sink=lambda ev: None, policy=policy,
                          params=params, stop=stop, seed=body.seed, ignore_eos=bool(body.ignore_eos), min_tokens=int(min_tokens),
+                         logprobs=logprobs,
                          deadline=time.monotonic() + self.s.request_timeout_s,
                          separate_reasoning=self.s.reasoning == "separate" and chat,
                          in_think=chat and prompt_opens_think(prompt), **sampling)
@@ -396,7 +422,33 @@ class Server:
             raise APIError(400, str(e), name) from None
         return req, prompt
 
+    def logprobs_asked(self, body, chat: bool) -> int | None:
+        """How many alternatives each token's logprobs carry (None: the request asks for no logprobs). Chat:
+        ``logprobs: true`` and ``top_logprobs`` (which needs it), as OpenAI's; completions: ``logprobs: k``."""
+        if chat:
+            if not body.logprobs and body.top_logprobs:
+                raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+            k = (body.top_logprobs or 0) if body.logprobs else None
+        else:
+            if body.top_logprobs:
+                raise APIError(400, "top_logprobs is a chat completions field; /v1/completions takes logprobs: k "
+                               "(each token's log-probability and its k likeliest alternatives)", "top_logprobs")
+            k = body.logprobs
+        if k is not None and not self.engine.logprobs:
+            raise APIError(400, "logprobs is not supported by --scheduler static (it has no sampling step of its "
+                           "own; use --scheduler continuous, the default)", "logprobs")
+        return k
+
     # ---- responses --------------------------------------------------------------------------------------
+    def logprobs_block(self, req: GenRequest, chat: bool, entries: list, offset: int = 0) -> dict | None:
+        """A choice's ``logprobs``: OpenAI's block for ``entries`` (the tokens' TokenLogprobs), None when the
+        request asked for none."""
+        if req.logprobs is None:
+            return None
+        if chat:
+            return {"content": chat_content(entries, self.token_text), "refusal": None}
+        return completion_block(entries, self.token_text, offset)
+
     def count(self, endpoint: str, status: int) -> None:
         self.counts[(endpoint, status)] = self.counts.get((endpoint, status), 0) + 1
 
@@ -572,7 +624,7 @@ def create_app(engine: EngineBase, settings: ServeSettings):
 
     def completion_responses(model):
         return {200: {"model": model, "description": "the completion; with stream=true, server-sent events",
-                      "content": {"text/event-stream": {"schema": {"type": "string"}}}}, **failures}
+                      "content": {"text/event-stream": {"schema": SSE_EVENT}}}, **failures}
 
     async def _handle(request: Request, body, chat: bool):
         endpoint = request.url.path
@@ -630,6 +682,12 @@ def create_app(engine: EngineBase, settings: ServeSettings):
     return app
 
 
+# One server-sent event of a stream, as OpenAPI 3.0/3.1 describe a text/event-stream item (3.2's itemSchema): its
+# data is a JSON chunk (chat.completion.chunk or text_completion, or an error object), then the literal [DONE]
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk (the response's shape with a delta), or [DONE]"},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
 # Sampling fields beyond temperature and top_p, as GenRequest names them (None in a body: the inert default)
 SAMPLING_FIELDS = ("top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
@@ -642,7 +700,6 @@ UNHONOURED = (
     ("logit_bias", lambda v: not v, "{}"),
     ("response_format", lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
     ("best_of", lambda v: v is None or v == 1, "1"),
-    ("top_logprobs", lambda v: not v, "0"),
     ("prompt_logprobs", lambda v: not v, "null"),
     ("guided_json", lambda v: v is None, "null"),
     ("guided_regex", lambda v: v is None, "null"),
@@ -673,7 +730,7 @@ def _version() -> str:
 
 
 def _chunk(srv: Server, rid: str, chat: bool, content: str = "", reasoning: str = "", finish: str | None = None,
-           role: bool = False) -> dict:
+           role: bool = False, logprobs: dict | None = None) -> dict:
     if chat:
         delta: dict = {}
         if role:
@@ -682,10 +739,10 @@ def _chunk(srv: Server, rid: str, chat: bool, content: str = "", reasoning: str 
             delta["content"] = content
         if reasoning:
             delta["reasoning_content"] = reasoning
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": _openai_reason(finish)}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": _openai_reason(finish)}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": _openai_reason(finish)}
+        choice = {"index": 0, "text": content, "logprobs": logprobs, "finish_reason": _openai_reason(finish)}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": srv.s.served_name, "choices": [choice]}
 
@@ -705,10 +762,15 @@ async def _stream(srv: Server, req: GenRequest, q: asyncio.Queue, rid: str, chat
         # the role goes out with the first token (as vLLM's first chunk), not before the prefill: the field's
         # clients time their first chunk as the time to the first token
         role = chat
+        offset = 0  # completions' text_offset: the text of the tokens sent so far
         while True:
             ev = await q.get()
             if ev[0] == "delta":
-                yield _sse(_chunk(srv, rid, chat, ev[1], ev[2], role=role))
+                entries = [ev[3]] if ev[3] is not None else []
+                lp = srv.logprobs_block(req, chat, entries, offset)
+                if entries:
+                    offset += len(srv.token_text(ev[3].token)[0])
+                yield _sse(_chunk(srv, rid, chat, ev[1], ev[2], role=role, logprobs=lp))
                 role = False
             elif ev[0] == "done":
                 usage = dict(ev[2], kvtier=dict(ev[2]["kvtier"], finish_reason=ev[1]))
@@ -731,7 +793,7 @@ async def _stream(srv: Server, req: GenRequest, q: asyncio.Queue, rid: str, chat
 async def _whole(request, srv: Server, req: GenRequest, q: asyncio.Queue, rid: str, chat: bool, endpoint: str):
     """A non-streamed response; if the client disconnects while waiting, its row is cancelled."""
 
-    content, reasoning = [], []
+    content, reasoning, entries = [], [], []
     try:
         while True:
             try:
@@ -745,6 +807,8 @@ async def _whole(request, srv: Server, req: GenRequest, q: asyncio.Queue, rid: s
             if ev[0] == "delta":
                 content.append(ev[1])
                 reasoning.append(ev[2])
+                if ev[3] is not None:
+                    entries.append(ev[3])
                 continue
             if ev[0] == "error":
                 e = APIError(ev[1], ev[2], None, "server_error" if ev[1] >= 500 else "invalid_request_error")
@@ -759,10 +823,12 @@ async def _whole(request, srv: Server, req: GenRequest, q: asyncio.Queue, rid: s
         message: dict = {"role": "assistant", "content": text}
         if req.separate_reasoning:
             message["reasoning_content"] = thought or None
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": _openai_reason(reason)}
+        choice = {"index": 0, "message": message, "logprobs": srv.logprobs_block(req, chat, entries),
+                  "finish_reason": _openai_reason(reason)}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": _openai_reason(reason)}
+        choice = {"index": 0, "text": text, "logprobs": srv.logprobs_block(req, chat, entries),
+                  "finish_reason": _openai_reason(reason)}
         obj = "text_completion"
     srv.count(endpoint, 200)
     return JSONResponse({"id": rid, "object": obj, "created": int(time.time()), "model": srv.s.served_name,

@@ -40,7 +40,7 @@ from ..attention.fused_cpu import argmax_rows
 from ..cache.base import model_shape
 from ..cache.state import full_columns, tail_columns
 from ..config import TierConfig
-from ..sampling import sample_rows
+from ..sampling import sample_rows_logprobs
 from ..step.decode import step_for
 from ..step.direct import rows_logits
 from ..tiers.layout import grown_capacity
@@ -83,6 +83,7 @@ class ContinuousEngine(EngineBase):
     """Continuous batching over one-row caches, admitted under ``cfg.device_kv_budget`` (see the module doc)."""
 
     penalties = True
+    logprobs = True
 
     def __init__(self, model, tokenizer, cfg=None):
         super().__init__(model, tokenizer, cfg)
@@ -351,12 +352,12 @@ class ContinuousEngine(EngineBase):
         self._note_device()
         produced = 0
         if ready:
-            toks = self._draw(logits if len(ready) == len(rows) else logits[[i for i, _ in ready]],
-                              [row for _, row in ready])
-            for (_, row), tok in zip(ready, toks):
+            toks, lps = self._draw(logits if len(ready) == len(rows) else logits[[i for i, _ in ready]],
+                                   [row for _, row in ready])
+            for (_, row), tok, lp in zip(ready, toks, lps):
                 if not row.done:
                     produced += 1
-                    self._accept(row, tok)
+                    self._accept(row, tok, lp)
         now = time.monotonic()
         for row in rows:  # a row still prefilling ends here if its client left or its time ran out
             if row.prefilled < len(row.prefill) and not row.done:
@@ -374,19 +375,25 @@ class ContinuousEngine(EngineBase):
             log.debug("step %d: %d rows, %d joining with %d prompt tokens, %.1f ms", self.metrics.steps, len(rows),
                       len(chunks), sum(n for _, n in chunks), ms)
 
-    def _draw(self, logits: torch.Tensor, rows: list[_Row]) -> list[int]:
-        """Every row's next token from its logits (R, V) in one sampling step (:func:`kvtier.sampling.sample_rows`):
-        each row's own settings, generator and history; ``min_tokens`` bans the end-of-sequence tokens until then
-        (as vLLM does). Greedy rows take one pass over the batch's logits in the model's dtype (``argmax_rows``: at
-        32 rows of a 152K vocabulary in bf16, float() + argmax took ~4 ms a step, argmax_rows ~0.4, 2-core Xeon)."""
+    def _draw(self, logits: torch.Tensor, rows: list[_Row]) -> tuple[list[int], list]:
+        """Every row's next token from its logits (R, V) in one sampling step
+        (:func:`kvtier.sampling.sample_rows_logprobs`): each row's own settings, generator and history;
+        ``min_tokens`` bans the end-of-sequence tokens until then (as vLLM does); the log-probabilities of the rows
+        that asked (``cfg.logprobs_mode``), else None. Greedy rows take one pass over the batch's logits in the
+        model's dtype (``argmax_rows``: at 32 rows of a 152K vocabulary in bf16, float() + argmax took ~4 ms a step,
+        argmax_rows ~0.4, 2-core Xeon)."""
         eos = sorted(self.eos)
         banned = [eos if eos and len(r.generated) < r.req.min_tokens and not r.req.ignore_eos else None for r in rows]
         history = [(r.req.prompt_ids, r.generated) if r.params.penalised else ((), ()) for r in rows]
-        return sample_rows(logits, [r.params for r in rows], [r.gen for r in rows], history, banned,
-                           greedy_pick=argmax_rows)
+        want = [r.req.logprobs for r in rows]
+        return sample_rows_logprobs(logits, [r.params for r in rows], [r.gen for r in rows], history, banned,
+                                    greedy_pick=argmax_rows,
+                                    logprobs=want if any(k is not None for k in want) else None,
+                                    mode=self.cfg.logprobs_mode)
 
-    def _accept(self, row: _Row, tok: int) -> None:
-        """Stream the row's drawn token ``tok``; finish the row if it is done."""
+    def _accept(self, row: _Row, tok: int, logprobs=None) -> None:
+        """Stream the row's drawn token ``tok`` (with its log-probabilities, if the request asked); finish the row
+        if it is done."""
         row.generated.append(tok)
         with self._cv:
             self.scheduler.advanced(row.req.id)
@@ -394,7 +401,7 @@ class ContinuousEngine(EngineBase):
         if not row.first_token:
             row.first_token = True
             self.metrics.observe_ttft(now - row.req.arrived)
-        reason = row.out.push(tok, now, self.cancel_all)
+        reason = row.out.push(tok, now, self.cancel_all, logprobs)
         if reason is not None:
             self._finish(row, reason)
 

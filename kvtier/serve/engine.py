@@ -6,7 +6,8 @@ both send each request's text and ending through a :class:`~kvtier.serve.output.
 No HTTP here (that is :mod:`kvtier.serve.app`): requests come in as :class:`GenRequest`, and each one's events go
 to its ``sink`` callable, from the generation thread:
 
-- ``("delta", content, reasoning)``: new text of the row;
+- ``("delta", content, reasoning, logprobs)``: new text of the row (``logprobs``: the token's
+  :class:`~kvtier.sampling.TokenLogprobs` when the request asked for them, else None);
 - ``("done", finish_reason, usage)``: the row is finished (``stop``, ``length``, ``timeout``, ``cancelled``);
 - ``("error", status, message)``: it never ran (expired in the queue, shutdown) or generation failed.
 
@@ -96,9 +97,15 @@ class EngineConfig:
     # continuous: step Llama-form models through kvtier.step.direct (the same ops without transformers' module
     # machinery, checked bit for bit against the model's forward at start); False: the model's own forward.
     direct_step: bool = True
+    # what a request's logprobs are of: raw_logprobs (the model's logits, vLLM's default) or processed_logprobs (the
+    # logits each token was drawn from: penalties, temperature, top_k / top_p / min_p; kvtier.sampling.logprobs)
+    logprobs_mode: str = "raw_logprobs"
 
     def __post_init__(self) -> None:
+        from ..sampling.logprobs import check_mode
         from .scheduler import PRESSURE_MODES
+
+        check_mode(self.logprobs_mode)
 
         from ..step import linear_mode
 
@@ -183,6 +190,7 @@ class GenRequest:
     seed: int | None = None  # sampling: the row's own generator (None: a fresh random seed)
     ignore_eos: bool = False  # decode through end-of-sequence tokens (they are not sent), up to max_tokens
     min_tokens: int = 0  # no end-of-sequence token is drawn before this many tokens (vLLM's min_tokens)
+    logprobs: int | None = None  # each token's log-probability and this many likeliest alternatives (None: none)
     deadline: float = float("inf")  # time.monotonic() after which the request ends with "timeout"
     separate_reasoning: bool = True
     in_think: bool = False
@@ -294,8 +302,10 @@ class EngineBase:
     through a :class:`~kvtier.serve.output.RowOutput` in both."""
 
     # sampling fields a request may set to other than their inert value: temperature, top_p, top_k and min_p in both
-    # engines; the penalties read each row's own history, which only the continuous engine keeps
+    # engines; the penalties read each row's own history, which only the continuous engine keeps; logprobs come from
+    # the continuous engine's own sampling step (generate's are not read)
     penalties = False
+    logprobs = False
 
     def __init__(self, model, tokenizer, cfg: EngineConfig | None = None):
         from ..cache.sliding import layer_plan

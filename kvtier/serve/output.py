@@ -31,8 +31,9 @@ class RowOutput:
         self.drawn = 0  # tokens drawn (an end-of-sequence token included): the usage's completion tokens
         self.done = False
 
-    def push(self, tok: int, now: float, cancel_all: bool = False) -> str | None:
-        """Stream ``tok``'s text; the finish reason if the row ends with it, else None."""
+    def push(self, tok: int, now: float, cancel_all: bool = False, logprobs=None) -> str | None:
+        """Stream ``tok``'s text (and its :class:`~kvtier.sampling.TokenLogprobs`, when the request asked: with the
+        token's own delta); the finish reason if the row ends with it, else None."""
         r = self.req
         self.drawn += 1
         if tok in self.eos and not r.ignore_eos:
@@ -40,7 +41,7 @@ class RowOutput:
         # one delta per token, its text possibly empty (a piece of a UTF-8 character, text held back while it may
         # start a stop string): the stream's cadence is the decoding's, as vLLM's and OpenAI's streams are (clients
         # time every chunk: skipping empty ones read as gaps of two steps)
-        self.send(self.detok.push(tok), every=True)
+        self.send(self.detok.push(tok), every=True, logprobs=logprobs)
         if self.text.stopped:
             return "stop"
         if len(self.detok.ids) >= r.max_tokens:
@@ -51,11 +52,13 @@ class RowOutput:
             return "timeout"
         return None
 
-    def send(self, piece: str, final: bool = False, every: bool = False) -> None:
-        """Feed ``piece`` to the text; a delta event with what comes out (``every``: even when nothing does)."""
+    def send(self, piece: str, final: bool = False, every: bool = False, logprobs=None) -> None:
+        """Feed ``piece`` to the text; a delta event with what comes out (``every``: even when nothing does).
+        ``logprobs``: the token's, sent with its delta (a token whose text completes a stop string sends none: it
+        is not part of the output)."""
         content, reasoning = self.text.feed(piece, final=final) if piece or final else ("", "")
         if content or reasoning or (every and not self.text.stopped):
-            safe_sink(self.req, ("delta", content, reasoning))
+            safe_sink(self.req, ("delta", content, reasoning, logprobs))
 
     def usage(self) -> dict:
         """The usage block's OpenAI part; the engine adds its ``kvtier`` part."""

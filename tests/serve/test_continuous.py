@@ -739,3 +739,40 @@ def test_queue_mode_reserves_what_each_row_s_own_policy_needs(tiny):
     assert max(eng.trace) <= 4 * peak and eng.metrics.preemptions == 0
     for r in reqs:
         assert r.sink.text == _alone(model, tok, r)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_come_from_the_sampling_step_and_asking_changes_no_token(tiny, mode):
+    """Rows in one batch, sampled and greedy, some asking for logprobs: each asking row's per-token values equal the
+    plain reference (log_softmax of the raw or processed logits of a whole-sequence forward) within 1e-4 (the
+    engine's step and the forward round apart), its k alternatives are there, and a row asking draws the same
+    tokens as the same seeded row not asking."""
+    from kvtier.sampling import logprobs_reference
+
+    model, tok = tiny
+    eng = ContinuousEngine(model, tok, EngineConfig(max_batch=8, logprobs_mode=mode)).start()
+    prompt = _prompt(tok, 7, 12)
+    sampled = dict(temperature=0.8, top_p=0.9, top_k=30, seed=3, ignore_eos=True)
+    asks = _req(prompt, 10, logprobs=4, **sampled)
+    silent = _req(prompt, 10, **sampled)
+    greedy = _req(_prompt(tok, 8, 9), 10, logprobs=0, temperature=0.0, repetition_penalty=1.2, ignore_eos=True)
+    plain = _req(_prompt(tok, 9, 5), 10, temperature=0.0, ignore_eos=True)
+    for r in (asks, silent, greedy, plain):
+        eng.submit(r)
+    for r in (asks, silent, greedy, plain):
+        assert r.sink.done.wait(60)
+    eng.shutdown(grace_s=1)
+    assert all(e[3] is None for r in (silent, plain) for e in r.sink.events if e[0] == "delta")
+    assert asks.sink.text == silent.sink.text
+    for r, k in ((asks, 4), (greedy, 0)):
+        entries = [e[3] for e in r.sink.events if e[0] == "delta" and e[3] is not None]  # (not the end's flush)
+        assert len(entries) == 10 and all(len(e.top) == k for e in entries)
+        toks = [e.token for e in entries]
+        assert tok.decode(toks, skip_special_tokens=True) == r.sink.text
+        with torch.no_grad():
+            logits = model(torch.tensor([r.prompt_ids + toks])).logits[0].float()
+        n = len(r.prompt_ids)
+        for j, e in enumerate(entries):
+            ref = logprobs_reference(logits[n - 1 + j], r.sampling(), toks[j], k, mode, (r.prompt_ids, toks[:j]))
+            assert abs(e.logprob - ref.logprob) < 1e-4, (j, e.logprob, ref.logprob)
+            assert [round(v, 3) for _, v in e.top] == [round(v, 3) for _, v in ref.top]

@@ -648,3 +648,75 @@ def test_requests_without_sampling_fields_get_the_models_generation_config(tiny)
     with TestClient(plain) as client:
         got = client.post("/v1/completions", json={"prompt": "2+2=", "max_tokens": 2}).json()["usage"]["kvtier"]
         assert got["sampling"]["temperature"] == 1.0 and got["sampling"]["top_k"] == 0  # OpenAI's defaults
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_logprobs_in_openais_format_streamed_and_whole(tiny, mode):
+    """Chat (``logprobs: true``, ``top_logprobs``) and completions (``logprobs: k``), whole and streamed: one entry
+    per token whose bytes make the text, alternatives likeliest first with the greedy token at their head, the
+    streamed entries the whole response's; a request that asks for none gets null; bad combinations are one 400
+    naming the field, and the static scheduler refuses logprobs."""
+    from fastapi.testclient import TestClient
+
+    from kvtier.serve.app import ServeSettings, create_app
+
+    model, tok = tiny
+    app = create_app(ContinuousEngine(model, tok, EngineConfig(max_batch=4, logprobs_mode=mode)),
+                     ServeSettings(served_name="tiny", policy="full", max_new_tokens=16))
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+
+    def sse(r):
+        return [json.loads(line[6:]) for line in r.text.splitlines()
+                if line.startswith("data: ") and line != "data: [DONE]"]
+
+    with TestClient(app) as client:
+        chat = {"messages": msgs, "max_tokens": 12, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+        whole = client.post("/v1/chat/completions", json=chat).json()
+        ch = whole["choices"][0]
+        content = ch["logprobs"]["content"]
+        n = whole["usage"]["completion_tokens"]
+        assert len(content) == (n - 1 if ch["finish_reason"] == "stop" else n) > 0  # an end of sequence has none
+        assert bytes(b for e in content for b in e["bytes"]).decode() == ch["message"]["content"]
+        for e in content:
+            tops = e["top_logprobs"]
+            assert len(tops) == 3 and [t["logprob"] for t in tops] == sorted((t["logprob"] for t in tops), reverse=True)
+            assert tops[0]["token"] == e["token"] and tops[0]["logprob"] == e["logprob"] <= 0  # greedy: the likeliest
+        streamed = sse(client.post("/v1/chat/completions", json={**chat, "stream": True}))
+        assert [e for c in streamed if c["choices"] and c["choices"][0]["logprobs"]
+                for e in c["choices"][0]["logprobs"]["content"]] == content
+        plain = client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0}).json()
+        assert plain["choices"][0]["logprobs"] is None
+        sampled = client.post("/v1/chat/completions", json={**chat, "temperature": 0.7, "top_p": 0.8, "seed": 5,
+                                                             "top_logprobs": 0}).json()["choices"][0]["logprobs"]
+        assert sampled["content"] and all(e["top_logprobs"] == [] for e in sampled["content"])
+
+        comp = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "logprobs": 2}
+        whole = client.post("/v1/completions", json=comp).json()["choices"][0]
+        lp = whole["logprobs"]
+        # (a character split over tokens shows as replacement characters in each token's text)
+        assert "".join(lp["tokens"]).replace("\ufffd", "") == whole["text"].replace("\ufffd", "")
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) > 0
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+        for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert top[t] == v and len(top) <= 3 and max(top.values()) == v
+        streamed = sse(client.post("/v1/completions", json={**comp, "stream": True}))
+        got = [c["choices"][0]["logprobs"] for c in streamed if c["choices"] and c["choices"][0]["logprobs"]]
+        assert [t for g in got for t in g["tokens"]] == lp["tokens"]
+        assert [o for g in got for o in g["text_offset"]] == lp["text_offset"]
+        assert [v for g in got for v in g["token_logprobs"]] == lp["token_logprobs"]
+
+        for path, body, param in [
+            ("/v1/chat/completions", {"messages": msgs, "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/chat/completions", {"messages": msgs, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "x", "logprobs": 21}, "logprobs"),
+            ("/v1/completions", {"prompt": "x", "logprobs": -1}, "logprobs"),
+            ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, "top_logprobs"),
+            ("/v1/completions", {"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+        ]:
+            r = client.post(path, json={**body, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    static = create_app(Engine(model, tok, EngineConfig(scheduler="static")),
+                        ServeSettings(served_name="tiny", policy="full", max_new_tokens=8))
+    with TestClient(static) as client:
+        r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs" and "static" in r.text
