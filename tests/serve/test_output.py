@@ -1,5 +1,6 @@
 """RowOutput, the one finish ladder both engines use: end of sequence, stop strings, max_tokens, a client that left,
-the deadline; the text flushed at the end (not after a cancel or a stop string); one ending only."""
+the deadline; the text flushed at the end (not after a cancel or a stop string); one ending only; and each token's
+own text and bytes as the logprobs blocks name it."""
 
 from __future__ import annotations
 
@@ -50,3 +51,29 @@ def test_finish_flushes_once_and_fail_after_it_is_a_no_op():
     assert out.usage() == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
     out, ev, tok = _out()
     assert out.fail(503, "gone") and ev == [("error", 503, "gone")] and not out.finish("stop", {})
+
+
+def test_a_tokens_text_and_bytes_are_its_own():
+    """logprobs blocks name each token by its own bytes: byte-level BPE pieces map back through GPT-2's alphabet (a
+    piece of a character keeps its bytes), SentencePiece's '▁' is a space and '<0xE4>' one byte, special tokens
+    are empty as the text leaves them out."""
+    from kvtier.models import byte_tokenizer
+    from kvtier.serve.logprobs import TokenText
+
+    tok = byte_tokenizer()
+    text = TokenText(tok)
+    ids = tok("naïve 思考").input_ids
+    assert text.byte_level and b"".join(bytes(text(i)[1]) for i in ids).decode() == "naïve 思考"
+    assert text(tok.eos_token_id) == ("", []) and text(tok.convert_tokens_to_ids("<|im_start|>")) == ("", [])
+
+    class _SP:  # a SentencePiece tokenizer's surface: pieces, no byte-level decoder
+        all_special_ids = [0]
+        pieces = {0: "<eos>", 1: "\u2581hello", 2: "<0xE4>", 3: "\u00e9t\u00e9"}
+
+        def convert_ids_to_tokens(self, i):
+            return self.pieces.get(i)
+
+    sp = TokenText(_SP())
+    assert not sp.byte_level
+    assert [sp(i) for i in (0, 1, 2, 3, 9)] == [("", []), (" hello", list(b" hello")), ("\ufffd", [0xE4]),
+                                              ("\u00e9t\u00e9", list("\u00e9t\u00e9".encode())), ("", [])]
