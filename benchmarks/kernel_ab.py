@@ -2,7 +2,7 @@
 
     python benchmarks/kernel_ab.py --base HEAD [--reps 150] [--threads 0]
 
-Both sources are built as kvtier builds its kernel (``kvtier.attention.fused_cpu.build``) into a temporary directory, then
+Both sources are built as kvtier builds its kernel (``kvtier.kernels.build.build``, with the headers of its ``csrc/``) into a temporary directory, then
 timed interleaved (each repetition runs SDPA, then base and working tree in alternating order) over one layer of Qwen2.5-0.5B's shapes
 (2 kv-heads x 7 query heads, head dim 64), two regions (30% / 70% of the context, as ``tiered`` hbm 0.3 lays
 them out), with the score update. Prints per-call medians, each vs SDPA over the same keys, new/base, and the
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from kernel_micro import layer_inputs  # this folder is on sys.path when run as a script
 
-from kvtier.attention import fused_cpu
+from kvtier.kernels import build as kbuild
 
 SHAPES = [(1, 2048, torch.float32), (1, 2048, torch.bfloat16), (4, 8192, torch.float32), (4, 8192, torch.bfloat16)]
 
@@ -36,7 +36,31 @@ SHAPES = [(1, 2048, torch.float32), (1, 2048, torch.bfloat16), (4, 8192, torch.f
 def build(tag: str, src: Path, root: Path):
     out = root / tag
     out.mkdir(parents=True, exist_ok=True)
-    return fused_cpu.build(f"kvtier_kernel_ab_{tag}", src, out)
+    return kbuild.build(f"kvtier_kernel_ab_{tag}", src, out)
+
+
+# where the decode kernel's source lived at a revision: kvtier/kernels/csrc/ since the kernels got one home
+OLD_SOURCES = ("kvtier/kernels/csrc/fused_decode_cpu.cpp", "kvtier/attention/csrc/fused_decode_cpu.cpp")
+
+
+def base_source(rev: str, root: Path, src: Path = kbuild.DECODE_SRC) -> Path:
+    """The kernel source at git revision ``rev`` and the headers beside it then, written to ``root/base_src/``."""
+    out = root / "base_src"
+    out.mkdir(parents=True, exist_ok=True)
+    for rel in [p.replace("fused_decode_cpu.cpp", src.name) for p in OLD_SOURCES]:
+        got = subprocess.run(["git", "show", f"{rev}:{rel}"], capture_output=True)
+        if got.returncode == 0:
+            break
+    else:
+        raise SystemExit(f"{src.name} is not at {rev} under {' or '.join(OLD_SOURCES)}")
+    (out / src.name).write_bytes(got.stdout)
+    folder = rel.rsplit("/", 1)[0]
+    names = subprocess.run(["git", "ls-tree", "--name-only", f"{rev}:{folder}"], capture_output=True, text=True)
+    for name in names.stdout.split():
+        if name.endswith(".h"):
+            (out / name).write_bytes(subprocess.run(["git", "show", f"{rev}:{folder}/{name}"], check=True,
+                                                    capture_output=True).stdout)
+    return out / src.name
 
 
 def main() -> None:
@@ -50,14 +74,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    rel = fused_cpu._SRC.relative_to(Path(__file__).resolve().parents[1])
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        base_src = root / "base.cpp"
-        base_src.write_bytes(subprocess.run(["git", "show", f"{args.base}:{rel}"], check=True,
-                                            capture_output=True).stdout)
-        mods = {"base": build("base", base_src, root), "new": build("new", fused_cpu._SRC, root)}
-        print(f"base {args.base} vs working tree, flags {' '.join(fused_cpu.flags())}, "
+        base_src = base_source(args.base, root)
+        mods = {"base": build("base", base_src, root), "new": build("new", kbuild.DECODE_SRC, root)}
+        print(f"base {args.base} vs working tree, flags {' '.join(kbuild.flags())}, "
               f"threads {torch.get_num_threads()}")
         shapes = SHAPES if not args.shapes else [(int(b), int(t), dt) for b, t in
                                                   (x.split("x") for x in args.shapes.split(","))

@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from kernel_ab import build  # this folder is on sys.path when run as a script
+from kernel_ab import base_source, build  # this folder is on sys.path when run as a script
 
-from kvtier.attention import fused_cpu
+from kvtier.kernels.build import DECODE_SRC
 
 
 def main() -> None:
@@ -52,12 +51,10 @@ def main() -> None:
         layers.append([list(x) for x in zip(*rows)])
     q = torch.randn(R, H, g, D, generator=gen).to(torch.bfloat16)
     kv_bytes = L * R * 2 * H * T * D * 2
-    rel = fused_cpu._SRC.relative_to(Path(__file__).resolve().parents[1])
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        base_src = root / "base.cpp"
-        base_src.write_bytes(subprocess.run(["git", "show", f"{a.base}:{rel}"], check=True, capture_output=True).stdout)
-        mods = {"base": build("rows_base", base_src, root), "new": build("rows_new", fused_cpu._SRC, root)}
+        base_src = base_source(a.base, root)
+        mods = {"base": build("rows_base", base_src, root), "new": build("rows_new", DECODE_SRC, root)}
         variants = [("base", mods["base"], True), ("new", mods["new"], True)]
         if a.amx_off:
             variants.append(("new, AMX off", mods["new"], False))

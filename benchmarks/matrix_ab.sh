@@ -19,7 +19,7 @@ git -C "$SRC" checkout -q "$BASE"
 mkdir -p "$OUT"
 lscpu > "$OUT/lscpu.txt"
 { echo "base $(git -C "$SRC" rev-parse --short HEAD), new $(git rev-parse --short HEAD)$(git diff --quiet || echo ' + working tree')"
-  PYTHONPATH="$ROOT" "$PY" -c "from kvtier.step.cpu import machine; print(machine())"; } > "$OUT/conditions.txt"
+  PYTHONPATH="$ROOT" "$PY" -c "from kvtier.kernels.cpu import machine; print(machine())"; } > "$OUT/conditions.txt"
 run() {  # run TAG TREE
   mkdir -p "$OUT/$1"
   KVTIER="env PYTHONPATH=$2 $PY -m kvtier" bash "$ROOT/benchmarks/cpu_decode_matrix.sh" "$OUT/$1" bf16 tiered

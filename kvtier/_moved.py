@@ -22,6 +22,8 @@ MOVED = {
     "kvtier.bench": "kvtier.tools.bench",
     "kvtier.plan": "kvtier.tools.memplan",
     "kvtier.viz": "kvtier.tools.viz",
+    "kvtier.step.cpu": "kvtier.kernels.cpu",  # the kernels' home (kvtier/kernels/)
+    "kvtier.step.kernel": "kvtier.kernels.build",
 }
 
 

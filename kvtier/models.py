@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from .step.cpu import cpu_bf16_native  # noqa: F401 (the dtype rule; kvtier.models.cpu_bf16_native)
+from .env import cache_dir as env_cache_dir
+from .kernels.cpu import cpu_bf16_native  # noqa: F401 (the dtype rule; kvtier.models.cpu_bf16_native)
 
 log = logging.getLogger(__name__)
 
@@ -266,7 +267,8 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 # ---- embedded model --------------------------------------------------------------------------------
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVTIER_CACHE", Path.home() / ".cache" / "kvtier"))
+    """Where models are converted and kept: ``$KVTIER_CACHE``, else ``~/.cache/kvtier``."""
+    return env_cache_dir()
 
 
 def _offline(name: str) -> OfflineModel:

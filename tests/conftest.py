@@ -67,10 +67,10 @@ needs_1p5b = pytest.mark.skipif(not _offline_installed("qwen2.5-coder-1.5b-instr
 
 @pytest.fixture
 def fake_cpuinfo(monkeypatch, tmp_path):
-    """``fake_cpuinfo(text)``: kvtier.step.cpu reads ``text`` as /proc/cpuinfo (None: no such file) and returns the
+    """``fake_cpuinfo(text)``: kvtier.kernels.cpu reads ``text`` as /proc/cpuinfo (None: no such file) and returns the
     fake file. The reader keeps the file's lines per process, so each call, and the teardown, clears what it kept:
     every fake is read afresh, and later tests read the real file."""
-    from kvtier.step import cpu
+    from kvtier.kernels import cpu
 
     info = tmp_path / "cpuinfo"
     real = cpu.Path
@@ -191,3 +191,19 @@ def forced_logits(model, cache, seq, prompt_len):
             out = model(input_ids=seq[:, i : i + 1], attention_mask=torch.ones_like(seq[:, : i + 1]), **cache_kw(model, cache))
             logits.append(out.logits[:, -1])
     return torch.stack(logits)
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """random:tiny-qwen2 in float32 and its byte tokenizer, one per session (the serve tests'; a test that changes
+    the model works on a copy; a module with a ``tiny`` of its own uses that)."""
+    from kvtier.models import byte_tokenizer
+
+    return random_model("tiny-qwen2", dtype=torch.float32), byte_tokenizer()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses a module's real server (the ``server`` or ``keyed`` fixture) is a ``server`` test too."""
+    for item in items:
+        if {"server", "keyed"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)

@@ -18,7 +18,7 @@ DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 NOT_NAMES = {"kvtier.policy"}  # the request body's "kvtier" object and its fields (docs/SERVING.md)
 
 
-@pytest.mark.parametrize("doc", ["CLI.md", "POLICIES.md"])
+@pytest.mark.parametrize("doc", ["CLI.md", "POLICIES.md", "GUIDE.md"])
 def test_generated_reference_blocks_are_current(doc):
     text = (ROOT / "docs" / doc).read_text(encoding="utf-8")
     assert any(begin(name) in text for name in BLOCKS)
@@ -86,3 +86,21 @@ def test_the_readme_python_example_runs():
     assert sum(ns["cache"].stats()["tokens"].values()) > 0 and ns["tiers"].shape[0] == 1
     # custom_generate=kvtier.decode built the model's direct step, and it passed its check against the forward
     assert ns["model"].__dict__["_kvtier_direct"][1] is not None
+
+
+def test_benchmarks_are_indexed_and_the_docs_paths_exist():
+    """benchmarks/README.md lists every script of benchmarks/ (a newcomer finds each one); every `benchmarks/...`
+    path the README and docs/ name exists (a `*` in one is a glob)."""
+    index = (ROOT / "benchmarks" / "README.md").read_text(encoding="utf-8")
+    scripts = sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+    assert len(scripts) > 20
+    unlisted = [s for s in scripts if f"`{s}`" not in index]
+    assert not unlisted, f"benchmarks/README.md does not list {unlisted}"
+    missing = []
+    for doc in DOCS + [ROOT / "benchmarks" / "README.md"]:
+        for path in set(re.findall(r"\bbenchmarks/[A-Za-z0-9_./*<>-]*[A-Za-z0-9_*]", doc.read_text(encoding="utf-8"))):
+            if "<" in path:  # a pattern a command fills in (results/peer_<date>...)
+                continue
+            if not list(ROOT.glob(path)) and not (ROOT / path).exists():
+                missing.append(f"{doc.name}: {path}")
+    assert not missing, missing

@@ -1,129 +1,26 @@
-"""The fused CPU decode kernel (``csrc/fused_decode_cpu.cpp``): built once per machine, one call per layer and step.
+"""The fused CPU decode kernel's Python side (``kvtier/kernels/csrc/fused_decode_cpu.cpp``, built by :mod:`kvtier.kernels.build`): one call per layer and step.
 
 On a CPU the split decode step is ~50 small eager ops per layer (partials, log-sum-exp merge, weight folds),
 and their dispatch, not the arithmetic, is what puts ``tiered`` behind ``full`` (0.47 ms vs SDPA's 0.14 ms
 per layer at 2K tokens with T1 in use, measured). The kernel attends every region as one softmax (float32 statistics) and adds
 the merged weights to the score accumulators in the same call; :mod:`kvtier.attention.merge` stays the
-reference it is tested against (and the path on CUDA, and wherever the kernel cannot be built).
-
-Built on first use (~40 s) by torch's JIT extension loader (needs gcc and the ``ninja`` package, the
-``kernels`` extra) with ``-O3 -march=native``, into ``$KVTIER_KERNEL_DIR`` (default ``~/.cache/kvtier/kernels``)
-under a name hashed from the source, the flags, torch's version and this CPU's ISA flags, so a build made on an
-AVX-512 machine is never loaded on an AVX2 one; it compiles that directory's own copy of the source, so another
-clone or checkout of the same source loads the build instead of compiling again. ``$KVTIER_KERNEL_MARCH`` builds
-for another target than ``native`` (e.g. ``x86-64-v3``: AVX2 and FMA without AVX-512, the code an AVX2-only CPU
-runs; ``make test-isa`` tests that build on any x86 machine). A build lock left by a killed build is removed after
-10 minutes (torch would wait on it forever). If the build fails, one warning is logged and ``available()`` is False.
-``KVTIER_KERNEL=eager`` never builds it.
+reference it is tested against (and the path on CUDA, and wherever the kernel cannot be built). Where and how it
+is built (once per machine, CPU kind and torch; ``KVTIER_KERNEL=eager`` never builds it): :mod:`kvtier.kernels.build`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
-import os
-import platform
-import re
-import time
-from functools import lru_cache
-from pathlib import Path
 
 import torch
 
 from ..config import KERNEL_MODES  # noqa: F401 (the kernel switch, checked in config; exported here)
-from ..step.cpu import cpuinfo
+from ..kernels.build import cpu_signature
+from ..kernels.build import decode_module as _module
+from ..kernels.rows import append_rows, argmax_rows  # noqa: F401 (the row ops live in kvtier.kernels.rows)
 
 log = logging.getLogger(__name__)
-
-
-_SRC = Path(__file__).parent / "csrc" / "fused_decode_cpu.cpp"
-_MARCH = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
-
-
-def march() -> str:
-    """The ``-march=`` target of kvtier's kernels: ``$KVTIER_KERNEL_MARCH``, default ``native``."""
-    v = os.environ.get("KVTIER_KERNEL_MARCH", "").strip() or "native"
-    if not _MARCH.fullmatch(v):
-        raise ValueError(f"KVTIER_KERNEL_MARCH must be a gcc -march= target such as native or x86-64-v3, got {v!r}")
-    return v
-
-
-def flags() -> list[str]:
-    """The compiler flags of a kernel build (OpenMP: at::parallel_for is header code)."""
-    return ["-O3", f"-march={march()}", "-fno-math-errno", "-fopenmp"]
-
-
-def _cpu_signature() -> str:
-    """The ISA this build targets (-march=native): the cpuinfo flags line, else the platform string."""
-    return cpuinfo("flags", "Features") or platform.processor() or platform.machine()
-
-
-def build_name(src: Path = _SRC, prefix: str = "kvtier_fused_cpu") -> str:
-    """``<prefix>_<hash>``: the hash of ``src``, the flags, torch's version and this CPU's ISA flags (a build is
-    never loaded by another source, torch or CPU kind)."""
-    h = hashlib.sha256()
-    for part in (src.read_bytes(), " ".join(flags()).encode(), torch.__version__.encode(), _cpu_signature().encode()):
-        h.update(part)
-        h.update(b"\0")
-    return f"{prefix}_{h.hexdigest()[:16]}"
-
-
-def build_dir(name: str) -> Path:
-    root = Path(os.environ.get("KVTIER_KERNEL_DIR") or Path.home() / ".cache" / "kvtier" / "kernels")
-    out = root / name
-    out.mkdir(parents=True, exist_ok=True)
-    lock = out / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-        log.warning("kvtier: removing a stale kernel build lock %s", lock)
-        lock.unlink(missing_ok=True)
-    return out
-
-
-_STALE_LOCK_S = 600
-
-
-def build(name: str, src: Path, directory: Path):
-    """Compile ``src`` as the extension ``name`` into ``directory`` with kvtier's flags and load it (the one place
-    the build is spelled out: ``benchmarks/kernel_ab.py`` builds other revisions of the kernel through it).
-
-    The source is compiled from the build directory's own copy: ninja rebuilds when a source's path or mtime moves,
-    and every clone or checkout of kvtier would otherwise pay the build again for the same source (the directory is
-    named by the source's hash, so its copy never changes). A build that compiles says so before it starts: it is
-    the one pause of a first run that no progress line explains (a warning, so that the command line shows it)."""
-    from torch.utils.cpp_extension import load
-
-    local = directory / src.name
-    text = src.read_bytes()
-    if not local.is_file() or local.read_bytes() != text:
-        tmp = directory / f".{src.name}.{os.getpid()}"
-        tmp.write_bytes(text)
-        os.replace(tmp, local)  # atomic: a concurrent build reads the whole file or none
-    so = directory / f"{name}.so"
-    fresh = not so.is_file() or so.stat().st_mtime < local.stat().st_mtime
-    if fresh:
-        log.warning("kvtier: compiling the CPU kernels of %s (once per machine, CPU kind and torch; about a minute)",
-                    src.name)
-    t = time.perf_counter()
-    mod = load(name=name, sources=[str(local)], extra_cflags=flags(), extra_ldflags=["-fopenmp"],
-               build_directory=str(directory), verbose=False)
-    if fresh:
-        log.info("kvtier: %s built in %.0f s into %s", src.name, time.perf_counter() - t, directory)
-    return mod
-
-
-@lru_cache(maxsize=1)
-def _module():
-    if os.environ.get("KVTIER_KERNEL", "").strip().lower() == "eager":
-        return None
-    name = build_name()  # outside the try: a bad KVTIER_KERNEL_MARCH is the caller's error, not a failed build
-    try:
-        return build(name, _SRC, build_dir(name))
-    except Exception as exc:  # a missing compiler or ninja: the eager path still works, only slower
-        log.warning("kvtier: the fused CPU decode kernel could not be built (%s: %s); using the eager path "
-                    "(it needs gcc and `pip install kvtier[kernels]`)",
-                    type(exc).__name__, str(exc).strip().splitlines()[-1] if str(exc).strip() else "")
-        return None
 
 
 def available() -> bool:
@@ -171,7 +68,7 @@ def sdpa_is_faster(dtype: torch.dtype) -> bool:
     ``benchmarks/results/kernel_amx_prefetch_2026-12-04_xeon_amx/``), as it is elsewhere
     (AMD EPYC with AVX512-BF16: 0.69-0.84x in bfloat16; float32 everywhere). A rule by ISA and build, not a timing
     at start, so that one machine always runs one path (a reference policy's floats must not depend on load)."""
-    return dtype == torch.bfloat16 and "amx_bf16" in _cpu_signature().split() and not amx_dots()
+    return dtype == torch.bfloat16 and "amx_bf16" in cpu_signature().split() and not amx_dots()
 
 
 def supports(dtype: torch.dtype) -> bool:
@@ -245,27 +142,6 @@ def attend_rows(qg: torch.Tensor, calls: list[tuple], scaling: float, sinks: tor
                                  _sinks(sinks))
 
 
-def append_rows(k: torch.Tensor, v: torch.Tensor, idx: list[int], dst_ks: list[torch.Tensor],
-                dst_vs: list[torch.Tensor], cols: list[int]) -> None:
-    """Write row ``i``'s new token ``k[:, idx[i]]`` / ``v[:, idx[i]]`` ((H, M, D), last dim contiguous) into column
-    ``cols[i]`` of ``dst_ks[i]`` / ``dst_vs[i]`` ((1, H, C_i, D), the same dtype), for every row in one call: what
-    ``dst[:, :, col] = k[:, idx]`` per row does, without two dispatches per row and layer."""
-    mod = _module()
-    if mod is None:
-        raise RuntimeError("the fused CPU decode kernel is not available (see the log for why)")
-    mod.append_rows(k, v, list(idx), dst_ks, dst_vs, list(cols))
-
-
-def argmax_rows(x: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximum: ``x`` (R, V) float32 or bfloat16 on the CPU -> (R,) int64, what
-    ``x.float().argmax(dim=-1)`` gives (a NaN counts as the maximum) in one pass over ``x``, rows in parallel, without
-    a float32 copy: serve's greedy pick. Falls back to that expression where the kernel is not built."""
-    mod = _module()
-    if mod is None or x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16):
-        return x.float().argmax(dim=-1)
-    return mod.argmax_rows(x if x.stride(-1) == 1 else x.contiguous())
-
-
 def take_staging_seconds() -> float:
     """Seconds the kernel's workers spent copying staged blocks in the calls this thread made since its last take,
     divided by the threads that share the work (the copies run side by side, one block per worker at a time): the
@@ -289,5 +165,5 @@ def staging_buffer_bytes() -> int:
     return 0 if mod is None else int(mod.staging_buffer_bytes())
 
 
-__all__ = ["KERNEL_MODES", "append_rows", "argmax_rows", "attend", "attend_rows", "available", "amx_dots", "bf16_dots", "build_name", "sdpa_is_faster", "staged_rows", "staging_buffer_bytes", "use_amx",
-           "supports", "take_staging_seconds"]
+__all__ = ["KERNEL_MODES", "attend", "attend_rows", "available", "amx_dots", "bf16_dots", "sdpa_is_faster",
+           "staged_rows", "staging_buffer_bytes", "use_amx", "supports", "take_staging_seconds"]

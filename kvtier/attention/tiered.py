@@ -6,12 +6,10 @@ Three paths, all for one new token per row (``query`` (B, Hq, 1, D)):
                     one call of the fused kernel (:mod:`.fused_cpu`) does the same step;
     attend_full     the full cache: one region (the tail buffer) read in place, no scores;
     attend_ordered  the reference: every kept token gathered in position order (:func:`assemble`), one softmax.
-The layer (:class:`kvtier.cache.layer.TieredLayer`) owns the buffers these read; nothing here allocates K/V.
+The layer (:class:`kvtier.cache.layer.TieredLayer`, read through :class:`.buffers.TieredBuffers`) owns the buffers these read; nothing here allocates K/V.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -19,14 +17,13 @@ import torch.nn.functional as F
 from ..tiers.planner import T0, T1, T2
 from ..tiers.quant import dequantize
 from . import fused_cpu
+from .buffers import TieredBuffers
 from .host import HostRegion, host_tiers_partial
 from .merge import Partial, add_weights, merge, ordered, partial, sink_partial
 
-if TYPE_CHECKING:
-    from ..cache.layer import TieredLayer
 
 
-def attend_full(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+def attend_full(layer: TieredBuffers, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
                 ) -> torch.Tensor:
     """Split mode without scores (the full cache): one region, read in place by the fused CPU kernel or SDPA.
 
@@ -57,7 +54,7 @@ def attend_full(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: 
     return out.reshape(B, Hq, 1, D)
 
 
-def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+def attend_split(layer: TieredBuffers, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """Each region attended where it lives, merged by log-sum-exp; scores from the merged weights. ``sinks``
     (Hq,): one more partial in the merge (a logit, no value); the kernel takes them as one more logit."""
@@ -90,7 +87,7 @@ def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks:
             regions = host_regions(layer, host_tiers, meta, False, streamed)
             sp, sparts, cs = host_tiers_partial(qg[streamed], regions, scaling, keep, query.dtype)
             stream_state = (sparts, cs, [x.pos for x in regions])
-            layer._release()
+            layer.release_staged()
             pieces.append(sp)
         if job is not None:
             hp, host_state = st.host.result(job)
@@ -109,7 +106,7 @@ def attend_split(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks:
     return out.to(query.dtype)
 
 
-def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], meta: dict, scaling: float, inv: float,
+def attend_fused(layer: TieredBuffers, qg: torch.Tensor, host_tiers: list[int], meta: dict, scaling: float, inv: float,
                  sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The same step as the eager split path in one kernel call (CPU): T0 and the tail, then T1 and deq T2
     (host buffers or their staged copies), one softmax, scores added to the accumulator each region's tokens
@@ -121,7 +118,7 @@ def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], me
     ks, vs, biases, poss, scores, staged = kernel_regions(layer, host_tiers, meta, qg.dtype, kernel_stages)
     out = fused_cpu.attend(qg, ks, vs, biases, poss, scores, inv, scaling, staged, sinks)
     if kernel_stages:
-        t1 = layer._host_tensors(tiers=(T1,))
+        t1 = layer.host_tensors(tiers=(T1,))
         B, H, cap, D = layer.k1.shape
         # staging this stream needs: one chunk of a (row, kv-head) block per worker thread (the kernel's buffers
         # are the process's, shared by every cache, so their total is not this cache's)
@@ -129,11 +126,11 @@ def attend_fused(layer: TieredLayer, qg: torch.Tensor, host_tiers: list[int], me
         st.engine.count_streamed(sum(t.numel() * t.element_size() for t in t1.values()),
                                  fused_cpu.take_staging_seconds(), min(torch.get_num_threads(), B * H) * block)
     if host_tiers and not st.host_attn and (T2 in host_tiers or not kernel_stages):
-        layer._release()
+        layer.release_staged()
     return out
 
 
-def kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype: torch.dtype,
+def kernel_regions(layer: TieredBuffers, host_tiers: list[int], meta: dict, dtype: torch.dtype,
                    kernel_stages: bool = False) -> tuple[list, list, list, list, list, list]:
     """The fused kernel's regions for this layer's step: ``(ks, vs, biases, poss, scores, staged)`` — T0 and the
     tail (one device buffer), then each host tier in ``host_tiers`` (attended in place on the host, or staged),
@@ -155,14 +152,14 @@ def kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype:
     named = (bias, dpos, layer.dev_k, layer.dev_v, meta, st.scores, st.scores_host, layer.k1, layer.v1, layer.k2,
              layer.v2)
     shape = (tuple(host_tiers), dtype)
-    memo = layer._kernel_memo
+    memo = layer.kernel_memo
     if memo is None or memo[0] != shape or any(a is not b for a, b in zip(memo[1], named)):
         args, t2 = _kernel_regions(layer, host_tiers, meta, dtype, kernel_stages, bias, dpos)
         kept = args
         if t2 is not None:  # the memo keeps T2's int8 region, not this call's dequantized copy
             kept = ([*args[0]], [*args[1]], *args[2:])
             kept[0][t2[0]] = kept[1][t2[0]] = None
-        layer._kernel_memo = (shape, named, kept, t2)
+        layer.kernel_memo = (shape, named, kept, t2)
         return args
     _, _, args, t2 = memo
     if t2 is None:
@@ -173,7 +170,7 @@ def kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype:
     return (ks, vs, *args[2:])
 
 
-def _kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype: torch.dtype, kernel_stages: bool,
+def _kernel_regions(layer: TieredBuffers, host_tiers: list[int], meta: dict, dtype: torch.dtype, kernel_stages: bool,
                     bias: torch.Tensor, dpos: torch.Tensor) -> tuple[tuple, tuple[int, HostRegion] | None]:
     """:func:`kernel_regions` built now (the host job is counted by the caller), and ``(index, region)`` of the
     int8 T2 region (None without one): the caller dequantizes it per call."""
@@ -193,7 +190,7 @@ def _kernel_regions(layer: TieredLayer, host_tiers: list[int], meta: dict, dtype
     return (ks, vs, biases, poss, scores, staged), t2
 
 
-def rows_call(layer: TieredLayer, dtype: torch.dtype) -> tuple | None:
+def rows_call(layer: TieredBuffers, dtype: torch.dtype) -> tuple | None:
     """This layer's decode step as one row of :func:`kvtier.attention.fused_cpu.attend_rows` — ``(ks, vs, biases,
     poss, scores, score_scale)``, the arguments :func:`attend_full` or :func:`attend_fused` would pass the kernel for
     it (``dtype``: the query's, what a quantized tier is dequantized to) — or None where the step is not one kernel
@@ -212,17 +209,17 @@ def rows_call(layer: TieredLayer, dtype: torch.dtype) -> tuple | None:
     return ks, vs, biases, poss, scores, st.inv_heads_layers
 
 
-def host_regions(layer: TieredLayer, tiers: list[int], meta: dict, on_host: bool, rows: slice = slice(None),
+def host_regions(layer: TieredBuffers, tiers: list[int], meta: dict, on_host: bool, rows: slice = slice(None),
                   in_place: bool = False) -> list[HostRegion]:
     """One region per tier in ``tiers``: host buffers (``on_host``) or their device copies, scored into the host
     or the device accumulator accordingly. ``in_place``: streamed, but T1 is read from host memory by a
     consumer that stages it itself (the fused CPU kernel); only T2 is copied here."""
     if on_host:
-        src = layer._host_tensors(rows)
+        src = layer.host_tensors(rows)
     elif in_place:
-        src = {**layer._host_tensors(rows, (T1,)), **(layer._staged(rows, (T2,)) if T2 in tiers else {})}
+        src = {**layer.host_tensors(rows, (T1,)), **(layer.staged(rows, (T2,)) if T2 in tiers else {})}
     else:
-        src = layer._staged(rows)
+        src = layer.staged(rows)
     out = []
     for x in tiers:
         pos, bias = meta[("host", x)] if on_host else meta[x]
@@ -234,7 +231,7 @@ def host_regions(layer: TieredLayer, tiers: list[int], meta: dict, on_host: bool
     return out
 
 
-def attend_ordered(layer: TieredLayer, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
+def attend_ordered(layer: TieredBuffers, query: torch.Tensor, scaling: float, sinks: torch.Tensor | None = None
                    ) -> torch.Tensor:
     """The reference: every kept token gathered in position order, one softmax (bit-identical across HBM ratios);
     ``sinks`` (Hq,) join it where the model has them."""
@@ -251,7 +248,7 @@ def attend_ordered(layer: TieredLayer, query: torch.Tensor, scaling: float, sink
     return out
 
 
-def assemble(layer: TieredLayer) -> tuple[torch.Tensor, torch.Tensor]:
+def assemble(layer: TieredBuffers) -> tuple[torch.Tensor, torch.Tensor]:
     """Kept K and V of this layer in position order: two (B, H, K, D) views of the engine's work buffers."""
     st = layer.state
     sv = st.step_view()
@@ -266,8 +263,8 @@ def assemble(layer: TieredLayer) -> tuple[torch.Tensor, torch.Tensor]:
         src, dst = gather[T0]  # rows of the whole device buffer (T0 slots, then the tail)
         fk.index_copy_(0, dst, layer.dev_k.reshape(-1, D).index_select(0, src))
         fv.index_copy_(0, dst, layer.dev_v.reshape(-1, D).index_select(0, src))
-    if layer._host_tensors():
-        dv = layer._staged()
+    if layer.host_tensors():
+        dv = layer.staged()
         if "k1" in dv and st.layout.tiers[T1].count:
             src, dst = gather[T1]
             fk.index_copy_(0, dst, dv["k1"].reshape(-1, D).index_select(0, src))
@@ -276,7 +273,7 @@ def assemble(layer: TieredLayer) -> tuple[torch.Tensor, torch.Tensor]:
             src, dst = gather[T2]
             fk.index_copy_(0, dst, dequantize(dv["k2"], dv["k2s"], wk.dtype).reshape(-1, D).index_select(0, src))
             fv.index_copy_(0, dst, dequantize(dv["v2"], dv["v2s"], wv.dtype).reshape(-1, D).index_select(0, src))
-        layer._release()
+        layer.release_staged()
     km = sv["k_main"]
     wk[:, :, km:K].copy_(layer.tail_k[:, :, : sv["t"]])
     wv[:, :, km:K].copy_(layer.tail_v[:, :, : sv["t"]])

@@ -50,7 +50,7 @@ class TieredLayer(KVTierLayer):
         self.k2 = self.v2 = None  # (B, H, cap2, D) int8 host
         self.k2s = self.v2s = None  # (B, H, cap2, 1) float32 host
         self.tail_k = self.tail_v = None  # (B, H, cap_t, D) views of dev_k / dev_v
-        self._kernel_memo = None  # the fused kernel's arguments, kept between steps (attention.tiered.kernel_regions)
+        self.kernel_memo = None  # the fused kernel's arguments, kept between steps (attention.tiered.kernel_regions)
         self.is_initialized = False
 
     # ---- CacheLayerMixin ---------------------------------------------------------------------
@@ -212,7 +212,7 @@ class TieredLayer(KVTierLayer):
         self.version = st.version
         st.note_device(self.layer_idx, self._device_bytes())
 
-    def _host_tensors(self, rows: slice = slice(None), tiers: tuple[int, ...] = (T1, T2)) -> dict[str, torch.Tensor]:
+    def host_tensors(self, rows: slice = slice(None), tiers: tuple[int, ...] = (T1, T2)) -> dict[str, torch.Tensor]:
         """This layer's host ``tiers``, for ``rows`` (a leading-dimension slice: contiguous, so it copies as one block)."""
         lay = self.state.layout
         out = {}
@@ -222,16 +222,16 @@ class TieredLayer(KVTierLayer):
             out.update(k2=self.k2[rows], v2=self.v2[rows], k2s=self.k2s[rows], v2s=self.v2s[rows])
         return out
 
-    def _staged(self, rows: slice = slice(None), tiers: tuple[int, ...] = (T1, T2)) -> dict[str, torch.Tensor]:
+    def staged(self, rows: slice = slice(None), tiers: tuple[int, ...] = (T1, T2)) -> dict[str, torch.Tensor]:
         """Device copies of this layer's host ``tiers`` (``stream``) for ``rows``: from a prefetch, a per-layer
         persistent copy (``t1_on_device``, staged once per reassignment) or copied now."""
         st, eng = self.state, self.state.engine
-        host = self._host_tensors(rows, tiers)
+        host = self.host_tensors(rows, tiers)
         if st.t1_on_device:
             return eng.take(self.layer_idx, (self.layer_idx, "v", st.version), host)
         return eng.take(0, (self.layer_idx, st.n_total), host)
 
-    def _release(self) -> None:
+    def release_staged(self) -> None:
         st = self.state
         if not st.t1_on_device:
             st.engine.release(0)
@@ -247,7 +247,7 @@ class TieredLayer(KVTierLayer):
         other = layers[nxt]
         if other.version != st.version or not other.is_initialized:
             return  # its migration for this step has not run yet: it stages for itself
-        host = other._host_tensors(slice(0, st.stream_rows))
+        host = other.host_tensors(slice(0, st.stream_rows))
         if host:
             st.engine.stage(0, (nxt, st.n_total), host)
 
@@ -332,7 +332,7 @@ class TieredLayer(KVTierLayer):
     def fused_slot(self, key_states: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """A RowsCache step's :meth:`update` without the copy: the bookkeeping (``key_states`` (1, H, 1, D), the
         row's new keys, needed by layer 0 only) and room for the token; returns ``(tail_k, tail_v, column)`` for the
-        caller to write the token into (one call for all rows: :func:`kvtier.attention.fused_cpu.append_rows`), or
+        caller to write the token into (one call for all rows: :func:`kvtier.kernels.rows.append_rows`), or
         None (no kernel here, or not a one-row decode step): then :meth:`update` it."""
         st = self.state
         if not st._kernel_ok or st.batch != 1 or st.n_total == 0 or not self.is_initialized or st.prefilling:

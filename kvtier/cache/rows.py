@@ -23,7 +23,7 @@ prefill span is that row's prefill (causal within itself), a one-token span its 
 **Rows served together.** A row whose decode step is one call of the fused CPU kernel — ``full`` (one region, no
 scores) and the tiered family on the kernel's path (T0 + tail, T1 and T2 attended in place, scores folded) — has
 its new token written and its attention done together with the other such rows: one
-:func:`~kvtier.attention.fused_cpu.append_rows` and one :func:`~kvtier.attention.fused_cpu.attend_rows` call per
+:func:`~kvtier.kernels.rows.append_rows` and one :func:`~kvtier.attention.fused_cpu.attend_rows` call per
 layer, the same floats and scores as each row through the kernel alone, without 2-4 dispatches and a kernel call
 per row and layer (32 ``full`` rows at 512 tokens, bf16, 2-core Xeon with AMX: 145 -> 115 ms a step,
 ``benchmarks/step_profile.py --layout rows``). On a CPU where one ``full`` cache alone takes SDPA instead (bf16 on
@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import fused_cpu
+from ..kernels.rows import append_rows
 from .base import KVTierLayer, ShapeGuardedCache
 
 
@@ -138,7 +139,7 @@ class RowsLayer(KVTierLayer):
             k, v = k.to(dks[0].dtype), v.to(dks[0].dtype)
         if k.stride(-1) != 1 or v.stride(-1) != 1:
             k, v = k.contiguous(), v.contiguous()
-        fused_cpu.append_rows(k, v, idx, dks, dvs, cols)
+        append_rows(k, v, idx, dks, dvs, cols)
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: torch.Tensor | None, scaling: float, sinks: torch.Tensor | None = None):

@@ -6,7 +6,6 @@ Errors a user can fix print one line (:mod:`.common`); each command module regis
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -24,10 +23,13 @@ DEBUG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 def main() -> None:
-    level = os.environ.get("KVTIER_LOG", "").strip().lower() or "warning"
-    if level not in LOG_LEVELS:  # before any command runs: one line, as the commands' own errors
-        print(f"error: KVTIER_LOG must be one of {', '.join(LOG_LEVELS)}, got {level!r}", file=sys.stderr)
-        raise SystemExit(2)
+    from ..env import choice
+
+    try:
+        level = choice("KVTIER_LOG")
+    except ValueError as e:  # before any command runs: one line, as the commands' own errors
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
     logging.basicConfig(level=level.upper(), format=DEBUG_FORMAT
                         if level == "debug" else "%(levelname)s %(name)s: %(message)s")
     app()

@@ -26,12 +26,9 @@ def eval_progress_cb(progress: Progress, task):
 
 def progress_interval() -> float:
     """Seconds between plain progress lines when output is not a terminal (``KVTIER_PROGRESS_INTERVAL``)."""
-    import os
+    from ..env import seconds
 
-    try:
-        return max(0.0, float(os.environ.get("KVTIER_PROGRESS_INTERVAL", "10")))
-    except ValueError:
-        return 10.0
+    return seconds("KVTIER_PROGRESS_INTERVAL")
 
 
 class PlainLines:

@@ -1,4 +1,4 @@
-"""Reference tables generated from the code itself: the command line (docs/CLI.md) and the policy registry (docs/POLICIES.md); a test keeps the docs equal to them."""
+"""Reference tables generated from the code itself: the command line (docs/CLI.md), the policy registry (docs/POLICIES.md) and the environment switches (docs/GUIDE.md); a test keeps the docs equal to them."""
 
 from __future__ import annotations
 
@@ -55,7 +55,14 @@ def policies_markdown() -> str:
     return "\n".join(out)
 
 
-BLOCKS = {"cli": cli_markdown, "policies": policies_markdown}
+def switches_markdown() -> str:
+    """Every ``KVTIER_*`` environment switch (:data:`kvtier.env.SWITCHES`)."""
+    from ..env import markdown
+
+    return markdown()
+
+
+BLOCKS = {"cli": cli_markdown, "policies": policies_markdown, "switches": switches_markdown}
 
 
 def splice(doc: str) -> str:
@@ -79,5 +86,5 @@ if __name__ == "__main__":  # python -m kvtier.cli.reference [FILE ...]: rewrite
     import sys
     from pathlib import Path
 
-    for path in map(Path, sys.argv[1:] or ["docs/CLI.md", "docs/POLICIES.md"]):
+    for path in map(Path, sys.argv[1:] or ["docs/CLI.md", "docs/POLICIES.md", "docs/GUIDE.md"]):
         path.write_text(splice(path.read_text(encoding="utf-8")), encoding="utf-8")

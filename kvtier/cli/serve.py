@@ -276,7 +276,7 @@ def bench_serve_cmd(
                 wide.print(f"{r['concurrency']} clients, {r['policy']}: {r['failed']} request(s) failed, the first: "
                            f"{r['first_error']}", highlight=False)
         if json_out is not None:
-            from ..step.cpu import cpu_isa, cpu_name
+            from ..kernels.cpu import cpu_isa, cpu_name
 
             cpu = f"{cpu_name()} ({cpu_isa()})"
             write_json(json_out, {"model": health.get("model", model), "device": health.get("device"), "cpu": cpu,

@@ -304,7 +304,7 @@ def _run_batch(model, tok, c: EvalConfig, key: str, batch: list, key_inputs: dic
     from transformers import StoppingCriteriaList
 
     from ..compat import cache_kw
-    from ..step.cpu import machine
+    from ..kernels.cpu import machine
     from ..step.decode import decode_kw
     from ..tiers.tiermap import cache_codes, compact, sequence_map, token_pieces
     from .answer_step import AnswerSteps

@@ -36,7 +36,7 @@ from collections import deque
 
 import torch
 
-from ..attention.fused_cpu import argmax_rows
+from ..kernels.rows import argmax_rows
 from ..cache.base import model_shape
 from ..cache.state import full_columns, tail_columns
 from ..config import TierConfig

@@ -19,13 +19,12 @@ with a streamer without it.)
 
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 from transformers import GenerationMixin
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from ..env import on
 from .direct import DirectStep, direct_step, unsupported
 
 # the inputs generate's loop passes a decode step that the direct step honours (others, when set, go to the forward)
@@ -35,15 +34,9 @@ _TAKEN = {"input_ids", "cache", "past_key_values", "position_ids", "attention_ma
 _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
-_SWITCH = {"1": True, "on": True, "true": True, "yes": True, "0": False, "off": False, "false": False, "no": False}
-
-
 def enabled() -> bool:
     """Whether kvtier's tools decode through the direct step: ``KVTIER_DIRECT`` (unset: yes; ``0``/``off`` no)."""
-    v = os.environ.get("KVTIER_DIRECT", "1").strip().lower()
-    if v not in _SWITCH:
-        raise ValueError(f"KVTIER_DIRECT must be one of {sorted(_SWITCH)}, got {v!r}")
-    return _SWITCH[v]
+    return on("KVTIER_DIRECT")
 
 
 def decode_kw() -> dict:

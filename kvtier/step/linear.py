@@ -11,7 +11,7 @@ down-projections one bf16 unit the other way) and oneDNN blocks some prefill row
 agree to rounding (bounded in tests/step/test_linear.py).
 
 On CPUs with AMX, bf16 weights whose sizes are multiples of 32 are packed into kvtier's own AMX tiles instead
-(:class:`AmxWeight`, ``csrc/step_cpu.cpp``): one sequential stream of 16 x 32 tiles that ``amx_linear`` multiplies
+(:class:`AmxWeight`, ``kvtier/kernels/csrc/step_cpu.cpp``): one sequential stream of 16 x 32 tiles that ``amx_linear`` multiplies
 with TDPBF16PS, summing each output in K order, one 32-wide slice after another — the order oneDNN's AMX kernel
 sums in at decode row counts, so at 1-32 rows the products are oneDNN's bit for bit (and a row's result never
 depends on the rows beside it, at any count). It streams the weights at the memory's pace without oneDNN's per-call
@@ -40,30 +40,27 @@ wider weight differently and they agree to rounding (tests/step/test_linear.py).
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu import cpu_bf16_native
-from .kernel import module as step_kernels
+from ..env import SWITCHES, choice
+from ..kernels.cpu import cpu_bf16_native
+from ..kernels.build import step_module as step_kernels
 
 log = logging.getLogger(__name__)
 
-LINEAR_MODES = ("auto", "packed", "eager")
+LINEAR_MODES = SWITCHES["KVTIER_LINEAR"].choices  # auto, packed, eager
 PACK_ROWS_HINT = 32
 
 
 def linear_mode(mode: str | None = None) -> str:
     """The requested mode: ``mode`` if given, else ``$KVTIER_LINEAR``, else ``auto``; checked against LINEAR_MODES."""
     if mode is None:
-        mode = os.environ.get("KVTIER_LINEAR", "").strip().lower() or "auto"
-        source = "KVTIER_LINEAR"
-    else:
-        source = "linear"
+        return choice("KVTIER_LINEAR")
     if mode not in LINEAR_MODES:
-        raise ValueError(f"{source} must be one of {list(LINEAR_MODES)}, got {mode!r}")
+        raise ValueError(f"linear must be one of {list(LINEAR_MODES)}, got {mode!r}")
     return mode
 
 
@@ -82,7 +79,7 @@ def packs_by_default(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 class AmxWeight:
-    """A bf16 weight (out, in) packed into AMX tiles by ``csrc/step_cpu.cpp``'s ``amx_pack`` (``tiles``: (out * in,)),
+    """A bf16 weight (out, in) packed into AMX tiles by ``kvtier/kernels/csrc/step_cpu.cpp``'s ``amx_pack`` (``tiles``: (out * in,)),
     multiplied by its ``amx_linear`` (``run``)."""
 
     __slots__ = ("tiles", "out_features", "in_features", "run")
@@ -91,16 +88,13 @@ class AmxWeight:
         self.tiles, self.out_features, self.in_features, self.run = tiles, out_features, in_features, run
 
 
-LINEAR_KERNELS = ("auto", "onednn")
+LINEAR_KERNELS = SWITCHES["KVTIER_LINEAR_KERNEL"].choices  # auto, onednn
 
 
 def _amx_module():
     """The step extension when its AMX projections run here and ``$KVTIER_LINEAR_KERNEL`` (``auto``, ``onednn``)
     does not turn them off, else None."""
-    choice = os.environ.get("KVTIER_LINEAR_KERNEL", "").strip().lower() or "auto"
-    if choice not in LINEAR_KERNELS:
-        raise ValueError(f"KVTIER_LINEAR_KERNEL must be one of {list(LINEAR_KERNELS)}, got {choice!r}")
-    if choice == "onednn":
+    if choice("KVTIER_LINEAR_KERNEL") == "onednn":
         return None
     mod = step_kernels()
     return mod if mod is not None and mod.amx_linear_available() else None
@@ -145,15 +139,18 @@ _NO_BIAS = torch.empty(0, dtype=torch.bfloat16)
 
 
 def _kind(packed) -> str:
-    return "AMX tiles" if type(packed) is AmxWeight else "oneDNN"
+    return "AMX tiles" if type(packed) is AmxWeight else "oneDNN" if packed.is_mkldnn else "none (cast: F.linear)"
 
 
 def _run_packed(x: torch.Tensor, packed: torch.Tensor | AmxWeight, bias: torch.Tensor | None) -> torch.Tensor:
     """x (..., in) -> (..., out) through the packed weight (out, in): AMX tiles, one kernel call; oneDNN's layout,
     one oneDNN call, or for CHUNK_MIN_ROWS to CHUNK_MAX_ROWS rows and a weight of at most CHUNK_MAX_OUT outputs,
-    one per piece of at most CHUNK_ROWS rows (pieces as equal as may be)."""
+    one per piece of at most CHUNK_ROWS rows (pieces as equal as may be); a plain (strided) weight, stock
+    ``F.linear`` (a module cast to a dtype or device that cannot be packed)."""
     if type(packed) is AmxWeight:
         return packed.run(x, packed.tiles, packed.out_features, _NO_BIAS if bias is None else bias)
+    if not packed.is_mkldnn:
+        return F.linear(x, packed, bias)
     x = x.contiguous()
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if not CHUNK_MIN_ROWS <= rows <= CHUNK_MAX_ROWS or packed.size(0) > CHUNK_MAX_OUT:
@@ -164,6 +161,27 @@ def _run_packed(x: torch.Tensor, packed: torch.Tensor | AmxWeight, bias: torch.T
     out = torch.cat([torch.ops.mkldnn._linear_pointwise(flat[a : a + step], packed, bias, "none", [], "")
                      for a in range(0, rows, step)])
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _unpack(packed: torch.Tensor | AmxWeight, in_features: int, dtype: torch.dtype) -> torch.Tensor:
+    """The plain weight (out, in) back from its packed form, exactly: the identity (in, in) multiplied through it
+    (each output is one product by 1 and sums of zeros, exact in any accumulation order) and transposed."""
+    if not (type(packed) is AmxWeight or packed.is_mkldnn):
+        return packed
+    eye = torch.eye(in_features, dtype=dtype)
+    return _run_packed(eye, packed, None).t().contiguous()
+
+
+def _repack(w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | AmxWeight:
+    """``w`` packed where its dtype and device pack (:func:`_pack`), else ``w`` itself, run by stock F.linear."""
+    return _pack(w, bias) if w.device.type == "cpu" and packable(w.dtype) else w
+
+
+def _target(fn, dtype: torch.dtype) -> tuple[torch.dtype, torch.device]:
+    """What ``Module._apply``'s ``fn`` (``.to``, ``.float()``, ``.bfloat16()``, ``.cuda()``, ...) makes of a CPU
+    ``dtype`` parameter: its new dtype and device."""
+    probe = fn(torch.zeros(1, dtype=dtype))
+    return probe.dtype, probe.device
 
 
 class PackedLinear(nn.Module):
@@ -191,6 +209,17 @@ class PackedLinear(nn.Module):
             raise TypeError(f"PackedLinear({self.dtype}) got input of dtype {x.dtype}")
         return _run_packed(x, self.packed, self.bias)
 
+    def _apply(self, fn, recurse: bool = True):
+        """A cast of the model (``.float()``, ``.bfloat16()``, ``.to(dtype)``, ``.to(device)``) reaches the packed
+        weight too: it is unpacked exactly, cast, and packed again where the new dtype packs on a CPU, else kept
+        plain and run by stock F.linear."""
+        dtype, device = _target(fn, self.dtype)
+        super()._apply(fn, recurse)  # the bias (and a kept weight)
+        if (dtype, device) != (self.dtype, torch.device("cpu")) or not _packed_form(self.packed):
+            w = fn(_unpack(self.packed, self.in_features, self.dtype))
+            self.packed, self.dtype = _repack(w, self.bias), w.dtype
+        return self
+
     @property
     def weight_bytes(self) -> int:
         return self.in_features * self.out_features * self.dtype.itemsize
@@ -202,6 +231,10 @@ class PackedLinear(nn.Module):
 
 # Sibling projections that models call on one input, one after the other (Llama-style attention and MLP names).
 FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def _packed_form(p) -> bool:
+    return type(p) is AmxWeight or p.is_mkldnn
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -222,12 +255,26 @@ class _Fused:
         w = torch.cat([lin.weight.detach() for lin in linears])
         self.bias = None if linears[0].bias is None else torch.cat([lin.bias.detach() for lin in linears])
         self.packed = _pack(w, self.bias)
+        self.dtype, self.in_features = w.dtype, w.shape[1]
         self.bounds, start = [], 0
         for lin in linears:
             self.bounds.append((start, start + lin.out_features))
             start += lin.out_features
         self._x = self._y = self._version = None
         self._served: set[int] = set()
+
+    def cast(self, fn) -> None:
+        """Follow a cast of the model (see :meth:`PackedLinear._apply`); the members share this object, so the
+        first member's cast does it and the others find it done."""
+        dtype, device = _target(fn, self.dtype)
+        if (dtype, device) == (self.dtype, torch.device("cpu")) and _packed_form(self.packed):
+            return
+        if not _packed_form(self.packed) and (dtype, device) == (self.dtype, self.packed.device):
+            return
+        w = fn(_unpack(self.packed, self.in_features, self.dtype))
+        self.bias = None if self.bias is None else fn(self.bias)
+        self.packed, self.dtype = _repack(w, self.bias), w.dtype
+        self._x = self._y = None
 
     def columns(self, x: torch.Tensor, i: int) -> torch.Tensor:
         """Member ``i``'s output for ``x`` (..., in) -> (..., out_i): a view of the stacked product's columns."""
@@ -257,6 +304,13 @@ class FusedLinear(nn.Module):
         if x.dtype != self.dtype:
             raise TypeError(f"FusedLinear({self.dtype}) got input of dtype {x.dtype}")
         return self.fused.columns(x, self.index)
+
+    def _apply(self, fn, recurse: bool = True):
+        """A cast of the model reaches the stacked weight (:meth:`_Fused.cast`, done once for the members)."""
+        super()._apply(fn, recurse)
+        self.fused.cast(fn)
+        self.dtype = self.fused.dtype
+        return self
 
     @property
     def weight_bytes(self) -> int:  # this member's rows of the stacked weight
@@ -338,8 +392,9 @@ def pack_linears(model: nn.Module, mode: str | None = None, fuse: bool = True) -
 
 
 def packed_count(model: nn.Module) -> int:
-    """Linears running on packed weights (a fused group's members each count)."""
-    return sum(isinstance(m, (PackedLinear, FusedLinear)) for m in model.modules())
+    """Linears running on packed weights (a fused group's members each count; one a cast left plain does not)."""
+    return sum(_packed_form(m.packed if isinstance(m, PackedLinear) else m.fused.packed)
+               for m in model.modules() if isinstance(m, (PackedLinear, FusedLinear)))
 
 
 def amx_count(model: nn.Module) -> int:

@@ -23,25 +23,23 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 import platform
+
+from ..env import SWITCHES, choice
 
 log = logging.getLogger(__name__)
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
 MMAP_THRESHOLD = 256 << 20
 TRIM_THRESHOLD = 512 << 20
-MALLOC_MODES = ("keep", "system")
+MALLOC_MODES = SWITCHES["KVTIER_MALLOC"].choices  # keep, system
 
 _applied: bool | None = None  # None: not tried yet; True/False: what the one try gave
 
 
 def malloc_mode() -> str:
     """``$KVTIER_MALLOC``: ``keep`` (the default) or ``system``."""
-    mode = os.environ.get("KVTIER_MALLOC", "").strip().lower() or "keep"
-    if mode not in MALLOC_MODES:
-        raise ValueError(f"KVTIER_MALLOC must be one of {list(MALLOC_MODES)}, got {mode!r}")
-    return mode
+    return choice("KVTIER_MALLOC")
 
 
 def keep_freed_memory() -> bool:

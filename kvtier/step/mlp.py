@@ -7,7 +7,7 @@ float32 exponential is the dearest elementwise op of the step. Measured on a 2-c
 for a 738-token prefill, a layer (24 layers a step; ``benchmarks/results/silu_mul_2026-12-06_xeon_amx/``).
 
 Exactness: torch computes ``silu(g)`` rounded to bf16, then ``g' * u`` in float32 (exact: two 8-bit significands)
-rounded to nearest even. The kernel (``csrc/step_cpu.cpp``) reads ``silu(g)`` from a table of torch's own bf16 SiLU
+rounded to nearest even. The kernel (``kvtier/kernels/csrc/step_cpu.cpp``) reads ``silu(g)`` from a table of torch's own bf16 SiLU
 of all 65,536 bit patterns (:func:`silu_table`, built once per process) and rounds the product as torch does, so
 its result is torch's whatever ISA torch dispatched to — provided torch's SiLU of a value does not depend on where
 its loops put that value (its vector path uses SLEEF's ``exp``, its scalar tails ``std::exp``). :func:`silu_table`
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .forms import forward_is, replace
-from .kernel import module as _module  # the one build of csrc/step_cpu.cpp
+from ..kernels.build import step_module as _module  # the one build of kernels/csrc/step_cpu.cpp
 from .linear import linear_mode
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 
 Why: a transformers Llama/Qwen ``RMSNorm`` is eight eager ops (widen, square, mean, add, rsqrt, multiply, narrow,
 weight multiply) on a vector of one row per sequence; at decode their dispatch, not their arithmetic, is the cost.
-The 0.5B model runs 49 of them a step: replacing them by one call of ``csrc/step_cpu.cpp`` each took serve's whole
+The 0.5B model runs 49 of them a step: replacing them by one call of ``kvtier/kernels/csrc/step_cpu.cpp`` each took serve's whole
 rows step at 512 tokens from 61.0 to 58.5 ms at one row, 69.0 to 66.1 at eight and 110.3 to 102.5 at 32 in bf16
 (2-core AMX Xeon, side by side in one process; ``benchmarks/results/fused_norm_2026-12-05_xeon_amx/``).
 
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from .forms import forward_is, replace
-from .kernel import module as _module  # the one build of csrc/step_cpu.cpp
+from ..kernels.build import step_module as _module  # the one build of kernels/csrc/step_cpu.cpp
 from .linear import linear_mode
 
 log = logging.getLogger(__name__)

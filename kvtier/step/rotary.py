@@ -4,7 +4,7 @@ Why: transformers' ``apply_rotary_pos_emb`` is ~14 eager ops a layer (two unsque
 negation, a cat, two products and a sum); at decode their dispatch, not their arithmetic, is the cost, 24 layers a
 step for the 0.5B model.
 
-Exactness: the kernel (``csrc/step_cpu.cpp``) rounds each of the three ops that round in bf16 — ``x * cos``,
+Exactness: the kernel (``kvtier/kernels/csrc/step_cpu.cpp``) rounds each of the three ops that round in bf16 — ``x * cos``,
 ``rotate_half(x) * sin`` and their sum — as torch does (float32 arithmetic, round to nearest even); the negation and
 the cat are exact. So it equals the model's function bit for bit (``tests/step/test_rotary.py``: many shapes and
 layouts, and through the whole direct step). Other dtypes, devices and shapes take the model's function.
@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from .kernel import module as _module  # the one build of csrc/step_cpu.cpp
+from ..kernels.build import step_module as _module  # the one build of kernels/csrc/step_cpu.cpp
 
 Rotary = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple]
 

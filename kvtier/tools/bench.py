@@ -20,11 +20,11 @@ from typing import Callable
 
 import torch
 
-from ..attention.fused_cpu import argmax_rows
+from ..kernels.rows import argmax_rows
 from ..compat import cache_kw
 from ..models import load_model, resolve_device
 from ..step import expert_weights, packed_count, step_weight_bytes
-from ..step.cpu import cpu_isa
+from ..kernels.cpu import cpu_isa
 from ..step.decode import step_for
 from ..step.direct import batch_logits
 from ..transfer import memcpy_peak_gbps, seam_for
@@ -168,7 +168,7 @@ def _configs(cfg: BenchConfig) -> list[tuple[str, dict]]:
 class _Run:
     """One configuration's generation: prefill at construction, then timed single steps (synchronized). A kvtier
     cache's steps go through ``direct`` (:class:`kvtier.step.direct.DirectStep`) where given, else the model's
-    forward; every step's greedy pick is :func:`kvtier.attention.fused_cpu.argmax_rows` (one pass over the logits in
+    forward; every step's greedy pick is :func:`kvtier.kernels.rows.argmax_rows` (one pass over the logits in
     their dtype, the tokens ``float().argmax`` picks: at 32 rows of a 152K vocabulary in bf16, ``argmax`` on the
     bf16 logits took ~9 ms a step on a 2-core EPYC, argmax_rows well under 1)."""
 

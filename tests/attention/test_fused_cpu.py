@@ -1,4 +1,4 @@
-"""The fused CPU decode kernel (kvtier/attention/csrc/fused_decode_cpu.cpp) against the eager partials it replaces, and
+"""The fused CPU decode kernel (kvtier/kernels/csrc/fused_decode_cpu.cpp) against the eager partials it replaces, and
 through generation against the eager split path and the ordered reference."""
 
 from __future__ import annotations
@@ -9,13 +9,15 @@ from conftest import decode_loop, generate, padded_batch, prompt_ids
 
 import kvtier
 from kvtier.attention import fused_cpu
+from kvtier.kernels import build as kbuild
+from kvtier.kernels import rows
 from kvtier.attention.merge import add_weights, mask_bias, merge, partial
 
 
 def test_the_kernel_builds_here():
     """CI has gcc and ninja (the dev extra): the fast path must really be there, not silently eager."""
     assert fused_cpu.available(), "the fused CPU kernel did not build (see the warning above)"
-    assert fused_cpu.build_name().startswith("kvtier_fused_cpu_")
+    assert kbuild.build_name().startswith("kvtier_fused_cpu_")
 
 
 def _regions(B, H, D, sizes, dtype, g):
@@ -46,51 +48,12 @@ _PORTABLE = {"x86-64": set(), "x86-64-v2": set(), "x86-64-v3": set(), "x86-64-v4
 
 def _target_flags() -> set[str]:
     """The ISA flags the kernels are built for: this CPU's under -march=native, else the target's."""
-    m = fused_cpu.march()
+    m = kbuild.march()
     if m == "native":
-        return set(fused_cpu._cpu_signature().split())
+        return set(kbuild.cpu_signature().split())
     if m not in _PORTABLE:
         pytest.skip(f"KVTIER_KERNEL_MARCH={m}: the ISA flags it implies are not known to this test")
     return _PORTABLE[m]
-
-
-def test_the_kernel_target_is_checked_and_names_the_build(monkeypatch):
-    monkeypatch.delenv("KVTIER_KERNEL_MARCH", raising=False)
-    assert fused_cpu.march() == "native" and "-march=native" in fused_cpu.flags()
-    native = fused_cpu.build_name()
-    monkeypatch.setenv("KVTIER_KERNEL_MARCH", "x86-64-v3")
-    assert "-march=x86-64-v3" in fused_cpu.flags() and fused_cpu.build_name() != native
-    for bad in ("native -O0", "-march=native", "x86;ls"):
-        monkeypatch.setenv("KVTIER_KERNEL_MARCH", bad)
-        with pytest.raises(ValueError, match="KVTIER_KERNEL_MARCH must be a gcc -march= target"):
-            fused_cpu.build_name()
-
-
-_TINY = """#include <torch/extension.h>
-torch::Tensor twice(torch::Tensor x) { return x * 2; }
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
-"""
-
-
-def test_a_build_is_compiled_once_and_reused_from_another_checkout(tmp_path, caplog):
-    """The build compiles its directory's copy of the source: the same source from another path (another clone)
-    loads the build without compiling again; only a compile is announced."""
-    a, b, out = tmp_path / "a", tmp_path / "b", tmp_path / "build"
-    for d in (a, b, out):
-        d.mkdir()
-    (a / "tiny.cpp").write_text(_TINY)
-    name = f"kvtier_test_tiny_{abs(hash(str(tmp_path))) % 10**8}"
-    with caplog.at_level("WARNING", logger="kvtier.attention.fused_cpu"):
-        mod = fused_cpu.build(name, a / "tiny.cpp", out)
-    assert torch.equal(mod.twice(torch.ones(3)), torch.full((3,), 2.0))
-    assert any("compiling the CPU kernels of tiny.cpp" in r.getMessage() for r in caplog.records)
-    so = out / f"{name}.so"
-    built = so.stat().st_mtime_ns
-    (b / "tiny.cpp").write_text(_TINY)  # another checkout: a new path and a newer mtime, the same text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="kvtier.attention.fused_cpu"):
-        fused_cpu.build(name, b / "tiny.cpp", out)
-    assert not caplog.records and so.stat().st_mtime_ns == built
 
 
 def test_bf16_dots_are_built_where_the_cpu_has_them():
@@ -437,13 +400,13 @@ def test_append_rows_writes_what_slice_assignment_writes(dtype):
     ref = [(k.clone(), v.clone()) for k, v in bufs]
     for (k, v), i, c in zip(ref, idx, cols):
         k[0, :, c], v[0, :, c] = src_k[:, i], src_v[:, i]
-    fused_cpu.append_rows(src_k, src_v, idx, [k for k, _ in bufs], [v for _, v in bufs], cols)
+    rows.append_rows(src_k, src_v, idx, [k for k, _ in bufs], [v for _, v in bufs], cols)
     for (k, v), (rk, rv) in zip(bufs, ref):
         assert torch.equal(k, rk) and torch.equal(v, rv)
     with pytest.raises(RuntimeError, match="row 0: index 9 or column 0 out of range"):
-        fused_cpu.append_rows(src_k, src_v, [9], [bufs[0][0]], [bufs[0][1]], [0])
+        rows.append_rows(src_k, src_v, [9], [bufs[0][0]], [bufs[0][1]], [0])
     with pytest.raises(RuntimeError, match="row 0: destination dtype"):
-        fused_cpu.append_rows(src_k.double(), src_v.double(), [0], [bufs[0][0]], [bufs[0][1]], [0])
+        rows.append_rows(src_k.double(), src_v.double(), [0], [bufs[0][0]], [bufs[0][1]], [0])
 
 
 def test_rows_entry_rejects_bad_shapes():
@@ -507,12 +470,12 @@ def test_auto_uses_the_kernel_on_cpu_and_eager_where_asked(qwen2):
 
 
 def test_sdpa_is_preferred_only_for_bf16_on_amx_without_amx_logits(monkeypatch):
-    monkeypatch.setattr(fused_cpu, "_cpu_signature", lambda: "fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile")
+    monkeypatch.setattr(fused_cpu, "cpu_signature", lambda: "fpu sse2 avx512f avx512_bf16 amx_bf16 amx_tile")
     monkeypatch.setattr(fused_cpu, "amx_dots", lambda: False)
     assert fused_cpu.sdpa_is_faster(torch.bfloat16) and not fused_cpu.sdpa_is_faster(torch.float32)
     monkeypatch.setattr(fused_cpu, "amx_dots", lambda: True)  # the kernel's logits on AMX: the faster one
     assert not fused_cpu.sdpa_is_faster(torch.bfloat16)
-    monkeypatch.setattr(fused_cpu, "_cpu_signature", lambda: "fpu sse2 avx512f avx512_bf16")
+    monkeypatch.setattr(fused_cpu, "cpu_signature", lambda: "fpu sse2 avx512f avx512_bf16")
     monkeypatch.setattr(fused_cpu, "amx_dots", lambda: False)
     assert not fused_cpu.sdpa_is_faster(torch.bfloat16)
 
@@ -578,10 +541,10 @@ def test_argmax_rows_is_float32_argmax(dtype):
     x[7, 0] = 50.0
     x[8, 600], x[8, 601] = 9.0, 9.0
     want = x.float().argmax(dim=-1)
-    assert torch.equal(fused_cpu.argmax_rows(x), want)
-    assert fused_cpu.argmax_rows(x).tolist()[1:7] == [0, 1001, 7, 900, 33, 0]
+    assert torch.equal(rows.argmax_rows(x), want)
+    assert rows.argmax_rows(x).tolist()[1:7] == [0, 1001, 7, 900, 33, 0]
     wide = torch.randn(4, 2000, generator=g).to(dtype)
-    assert torch.equal(fused_cpu.argmax_rows(wide[:, 100:1100]), wide[:, 100:1100].float().argmax(dim=-1))
+    assert torch.equal(rows.argmax_rows(wide[:, 100:1100]), wide[:, 100:1100].float().argmax(dim=-1))
 
 
 @pytest.mark.parametrize("quant", [0.0, 0.1])
@@ -607,7 +570,7 @@ def test_kept_kernel_arguments_equal_rebuilt_ones(qwen2, quant, monkeypatch):
     keep = tiered.kernel_regions
 
     def rebuilt(layer, *a, **k):
-        layer._kernel_memo = None
+        layer.kernel_memo = None
         return keep(layer, *a, **k)
 
     monkeypatch.setattr(tiered, "kernel_regions", rebuilt)
@@ -619,6 +582,6 @@ def test_kept_kernel_arguments_equal_rebuilt_ones(qwen2, quant, monkeypatch):
     assert torch.equal(c_k.scores(), c_r.scores()) and torch.equal(c_k.tier_map(), c_r.tier_map())
     assert c_k.stats()["tokens"]["T1"] > 0 and (c_k.stats()["tokens"]["T2"] > 0) == (quant > 0)
     # what each layer keeps: no dequantized copy of T2 (it would hold 3x T2's int8 bytes on the host)
-    kept_ks = [x for layer in c_k.layers for x in layer._kernel_memo[2][0]]
+    kept_ks = [x for layer in c_k.layers for x in layer.kernel_memo[2][0]]
     assert all(k is None or k.dtype == torch.float32 for k in kept_ks)
     assert sum(k is None for k in kept_ks) == (layers if quant > 0 else 0)

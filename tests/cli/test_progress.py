@@ -46,7 +46,7 @@ def test_log_level_from_kvtier_log():
 
     env = {**os.environ, "KVTIER_LOG": "verbose"}
     out = subprocess.run([sys.executable, "-m", "kvtier", "--help"], capture_output=True, text=True, env=env, timeout=120)
-    assert out.returncode == 2 and "KVTIER_LOG must be one of debug, info, warning, error, got 'verbose'" in out.stderr
+    assert out.returncode == 2 and "KVTIER_LOG must be one of debug | info | warning | error, got 'verbose'" in out.stderr
     env["KVTIER_LOG"] = "DEBUG"
     code = "import logging, kvtier.cli as c, sys; sys.argv=['kvtier', '--help']\ntry:\n    c.main()\nexcept SystemExit:\n" \
            "    pass\nprint(logging.getLogger().level)"

@@ -413,5 +413,48 @@ def test_the_linear_kernel_is_chosen_where_it_runs(monkeypatch):
     monkeypatch.setenv("KVTIER_LINEAR_KERNEL", "onednn")
     assert not lin_mod.amx_packs(torch.zeros(64, 32, dtype=torch.bfloat16))
     monkeypatch.setenv("KVTIER_LINEAR_KERNEL", "fast")
-    with pytest.raises(ValueError, match=r"KVTIER_LINEAR_KERNEL must be one of \['auto', 'onednn'\], got 'fast'"):
+    with pytest.raises(ValueError, match=r"KVTIER_LINEAR_KERNEL must be one of auto \| onednn, got 'fast'"):
         lin_mod.amx_packs(torch.zeros(64, 32, dtype=torch.bfloat16))
+
+
+@needs_onednn
+def test_a_prepared_model_follows_the_usual_casts():
+    """``load_model`` packs the projections; ``.bfloat16()`` / ``.float()`` / ``.to(dtype)`` afterwards reach the
+    packed weights (unpacked exactly, cast, packed again where the dtype packs here, else run by stock F.linear):
+    the cast model's logits are the stock model's cast the same way, in each direction, and a packed weight comes
+    back bit for bit."""
+    stock, _ = kvtier.load_model("random:tiny-qwen2", device="cpu", dtype="fp32", linear="eager")
+    fast, _ = kvtier.load_model("random:tiny-qwen2", device="cpu", dtype="fp32", linear="packed")
+    n = 7 * fast.config.num_hidden_layers + 1
+    assert packed_count(fast) == n
+    ids = prompt_ids(length=24)
+
+    def logits(m):
+        with torch.no_grad():
+            return m(ids).logits.float()
+
+    assert (logits(fast) - logits(stock)).abs().max() < 1e-4
+    fast.bfloat16()
+    stock.bfloat16()
+    assert all(p.dtype == torch.bfloat16 for p in fast.parameters())
+    assert packed_count(fast) == (n if packable(torch.bfloat16) else 0)  # here bf16 packs or runs F.linear
+    d = (logits(fast) - logits(stock)).abs().max()
+    assert d < (0.1 if packable(torch.bfloat16) else 1e-6), d  # plain F.linear on the same weights: the stock floats
+    fast.to(torch.float32)
+    stock.float()
+    assert packed_count(fast) == n and (logits(fast) - logits(stock)).abs().max() < 1e-4
+    # generate through kvtier's cache and decode step after the casts
+    from kvtier.step.decode import decode
+
+    a = generate(fast, "full", ids, 16, custom_generate=decode)[0]
+    assert torch.equal(a, generate(stock, "full", ids, 16, custom_generate=decode)[0])
+
+    lin = nn.Linear(64, 96, bias=True)
+    one = PackedLinear(lin)
+    one.to(torch.bfloat16)
+    w16 = lin_mod._unpack(one.packed, 64, one.dtype)
+    assert one.dtype == torch.bfloat16 and torch.equal(w16, lin.weight.detach().bfloat16())
+    assert one.bias.dtype == torch.bfloat16
+    one.float()
+    assert one.dtype == torch.float32 and torch.equal(lin_mod._unpack(one.packed, 64, one.dtype),
+                                                      lin.weight.detach().bfloat16().float())

@@ -17,7 +17,7 @@
 // query head of the group per tile product), else VDPBF16PS (AVX512-BF16), else float32; K and V rows are
 // prefetched a block ahead (the tile loads and value tiles otherwise wait on memory: 32 rows x 512 tokens x 24
 // layers bf16, 2-core AMX Xeon, 22.6 -> 18.7 ms by prefetching, 17.6 ms with AMX logits).
-// The eager reference is decode_attention.partial/merge/add_weights; tests compare the two.
+// The eager reference is kvtier.attention.merge (partial, merge, add_weights); tests compare the two.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -31,12 +31,10 @@
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define KVTIER_DPBF16 1
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#define KVTIER_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#include <mutex>
 #endif
+#include "kvtier_amx.h"  // KVTIER_AMX: logits by AMX tiles
+#ifdef KVTIER_AMX
+#include <mutex>
 #endif
 #include <cstring>
 #if defined(__x86_64__)
@@ -272,34 +270,7 @@ inline v4 dots4_bf16(const uint16_t* qg, const uint16_t* k0, const uint16_t* k1,
 constexpr int64_t kAmxMaxD = 192;  // six Q^T slices in tmm2..tmm7
 constexpr int64_t kAmxMaxG = 16;   // query heads per kv-head: the result's 16 columns
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux grants a process the AMX tile state only on request (arch_prctl); oneDNN asks too, asking twice is harmless.
-bool amx_permitted() {
-  static bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
 std::atomic<bool> g_amx_enabled{true};  // a switch for tests and A/B timing (set_amx)
-
-inline void amx_configure() {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
 
 inline void amx_load_q(int slice, const uint16_t* p) {  // tile numbers are immediates
   switch (slice) {
@@ -491,7 +462,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
   alignas(64) float amx_out[256];
   alignas(64) uint16_t amx_qt[kAmxMaxD / 32 * 512];
   const bool amx_shape = std::is_same<T, c10::BFloat16>::value && D % 32 == 0 && D <= kAmxMaxD && g <= kAmxMaxG &&
-                         g_amx_enabled.load(std::memory_order_relaxed) && amx_permitted();
+                         g_amx_enabled.load(std::memory_order_relaxed) && kvtier_amx::permitted();
   bool amx_configured = false;
 #endif
   float* s = s_buf.data();
@@ -514,7 +485,7 @@ void run_rows(int64_t begin, int64_t end, const QO* q, QO* out, float* w, const 
     const bool amx = amx_shape && bf16_dots;
     if (amx) {
       if (!amx_configured) {  // per call of this function: another library may have released the tiles since
-        amx_configure();
+        kvtier_amx::configure();
         amx_configured = true;
       }
       amx_set_query(qb, g, D, amx_qt);
@@ -1107,7 +1078,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bytes held by the worker threads' staging buffers");
   m.def("amx_dots", []() {
 #ifdef KVTIER_AMX
-    return g_amx_enabled.load() && amx_permitted();
+    return g_amx_enabled.load() && kvtier_amx::permitted();
 #else
     return false;
 #endif

@@ -14,11 +14,7 @@
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__linux__)
-#define KVTIER_AMX_LINEAR 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "kvtier_amx.h"  // KVTIER_AMX: the AMX projections below
 
 namespace {
 
@@ -213,37 +209,11 @@ torch::Tensor silu_mul(torch::Tensor g, torch::Tensor u, torch::Tensor table) {
   return out;
 }
 
-#ifdef KVTIER_AMX_LINEAR
+#ifdef KVTIER_AMX
 namespace {
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-// Linux grants a process the AMX tile state only on request (arch_prctl); asking again is harmless.
-bool amx_permitted() {
-  static const bool ok = [] {
-    constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
-
-// tmm0..3: four 16 x 16 float32 sums (two 16-row chunks of x by two 16-column blocks of the weight); tmm4, tmm5:
-// the x chunks' 32-wide K slices; tmm6, tmm7: the two weight tiles of a K slice.
-void amx_configure() {
-  TileConfig cfg{};
-  cfg.palette_id = 1;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  _tile_loadconfig(&cfg);
-}
+// Tiles (kvtier_amx::configure): tmm0..3 four 16 x 16 float32 sums (two 16-row chunks of x by two 16-column
+// blocks of the weight); tmm4, tmm5 the x chunks' 32-wide K slices; tmm6, tmm7 the two weight tiles of a K slice.
 
 // 16 float32 sums plus the bias, rounded to bf16 as c10::BFloat16(float) rounds (to nearest even; NaN stays NaN)
 inline void store_bf16x16(const float* c, const float* bias, uint16_t* out) {
@@ -260,8 +230,8 @@ inline void store_bf16x16(const float* c, const float* bias, uint16_t* out) {
 #endif
 
 bool amx_linear_available() {
-#ifdef KVTIER_AMX_LINEAR
-  return amx_permitted();
+#ifdef KVTIER_AMX
+  return kvtier_amx::permitted();
 #else
   return false;
 #endif
@@ -301,8 +271,8 @@ torch::Tensor amx_pack(torch::Tensor w) {
 // them, so the weight is read from memory once at any row count. Rows past a multiple of 16 are computed on a
 // zero-padded copy of the last chunk.
 torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
-#ifdef KVTIER_AMX_LINEAR
-  TORCH_CHECK(amx_permitted(), "amx_linear: this process may not use AMX tiles");
+#ifdef KVTIER_AMX
+  TORCH_CHECK(kvtier_amx::permitted(), "amx_linear: this process may not use AMX tiles");
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kBFloat16 && x.dim() >= 1 && x.size(-1) % 32 == 0 &&
                   N % 32 == 0 && packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() &&
                   packed.numel() == N * x.size(-1),
@@ -340,7 +310,7 @@ torch::Tensor amx_linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch
   auto rows = [&](int64_t m) { return m < full ? a + m * K : tail.data() + (m - full) * K; };
   const int64_t panel = std::max<int64_t>(1, (512 * 1024) / (KB * 2048));
   at::parallel_for(0, N / 32, 1, [&](int64_t nb0, int64_t nb1) {
-    amx_configure();
+    kvtier_amx::configure();
     alignas(64) float c[4][256];
     for (int64_t p0 = nb0; p0 < nb1; p0 += panel) {
       const int64_t p1 = std::min(nb1, p0 + panel);

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvtier.step import cpu
+from kvtier.kernels import cpu
 
 
 def test_cpuinfo_reads_the_first_matching_line(fake_cpuinfo):

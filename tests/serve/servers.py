@@ -1,0 +1,75 @@
+"""What the serve tests share: the tiny model and tokenizer (one per session), and real `kvtier serve` subprocesses on a free port (started, waited for, stopped)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvtier.models import byte_tokenizer, random_model
+
+
+@pytest.fixture(scope="session")
+def tiny():
+    """random:tiny-qwen2 in float32 and its byte tokenizer (a test that changes the model works on a copy)."""
+    return random_model("tiny-qwen2", dtype=torch.float32), byte_tokenizer()
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test that uses a module's server (the ``server`` or ``keyed`` fixture) is a server test too."""
+    for item in items:
+        if {"server", "keyed"} & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.server)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(*extra: str, env_keys: str | None = None, host: str = "127.0.0.1",
+                 timeout: float = 90.0) -> tuple[subprocess.Popen, str]:
+    """``kvtier serve --model random:tiny-qwen2`` (fp32, CPU, one OpenMP thread) with ``extra`` flags on a free port,
+    once its /health answers: (the process, its base URL). ``env_keys``: its ``KVTIER_API_KEY`` (none inherited)."""
+    import httpx
+
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("KVTIER_API_KEY", None)
+    if env_keys is not None:
+        env["KVTIER_API_KEY"] = env_keys
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", "--model", "random:tiny-qwen2", "--dtype", "fp32",
+                             "--device", "cpu", "--host", host, "--port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    t_end = time.monotonic() + timeout
+    while time.monotonic() < t_end:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited: {proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("server did not come up")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> tuple[int, str]:
+    """SIGTERM, wait: (its exit code, everything it printed)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+        raise AssertionError(f"the server did not stop within {timeout} s of SIGTERM: {out[-2000:]}") from None
+    return proc.returncode, out
