@@ -33,7 +33,7 @@ browser:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium fonts-dejavu-core; }
 
 test: venv browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=15
 
 # Both ends of the supported transformers range (kvtier/compat.py), each in its own virtualenv, on the core tests.
 TF_OLDEST ?= 5.4.0
@@ -65,8 +65,9 @@ test-isa: venv
 	  KVTIER_KERNEL_MARCH=x86-64-v3 $(BIN)/python -m pytest -q -p no:cacheprovider -k "not embedded_model" $(ISA_TESTS); \
 	else echo "test-isa: not an x86-64 machine, nothing to build"; fi
 
+# The everyday loop: everything but the embedded model's long runs, real servers, fuzzing and whole-tool smoke runs.
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -m "not slow and not server and not fuzz and not smoke"
 
 bench: venv
 	$(BIN)/kvtier bench

@@ -19,7 +19,8 @@ from typer.testing import CliRunner
 
 from kvtier.cli import app
 
-pytestmark = pytest.mark.skipif(not DATA_DIR.is_dir(), reason="shared benchmark data not found next to the repo")
+pytestmark = [pytest.mark.fuzz,  # hundreds of generated command lines: left out of make test-fast
+              pytest.mark.skipif(not DATA_DIR.is_dir(), reason="shared benchmark data not found next to the repo")]
 runner = CliRunner()
 
 BAD_NUMBERS = ["0", "-1", "nan", "inf", "-inf", "abc", "", "1e9", "1.5", "-0.1", "100000000"]

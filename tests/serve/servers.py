@@ -1,4 +1,4 @@
-"""What the serve tests share: the tiny model and tokenizer (one per session), and real `kvtier serve` subprocesses on a free port (started, waited for, stopped)."""
+"""Real `kvtier serve` subprocesses for the serve tests, in one place: a free port, a server started and waited for, stopped (the shared `tiny` model and the `server` marker are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -8,24 +8,6 @@ import socket
 import subprocess
 import sys
 import time
-
-import pytest
-import torch
-
-from kvtier.models import byte_tokenizer, random_model
-
-
-@pytest.fixture(scope="session")
-def tiny():
-    """random:tiny-qwen2 in float32 and its byte tokenizer (a test that changes the model works on a copy)."""
-    return random_model("tiny-qwen2", dtype=torch.float32), byte_tokenizer()
-
-
-def pytest_collection_modifyitems(config, items):
-    """A test that uses a module's server (the ``server`` or ``keyed`` fixture) is a server test too."""
-    for item in items:
-        if {"server", "keyed"} & set(getattr(item, "fixturenames", ())):
-            item.add_marker(pytest.mark.server)
 
 
 def free_port() -> int:

@@ -13,16 +13,10 @@ import kvtier
 from kvtier.compat import cache_kw
 from kvtier.attention import fused_cpu
 from kvtier.cache.rows import RowsCache
-from kvtier.models import byte_tokenizer, random_model
 from kvtier.serve.continuous import ContinuousEngine
 from kvtier.serve.engine import Engine, EngineConfig, GenRequest, NeverFits
 
 NO_EVICT = {"hbm_ratio": 0.3, "evict_ratio": 0.0, "recent_window": 4, "retier_interval": 8}
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return random_model("tiny-qwen2", dtype=torch.float32), byte_tokenizer()
 
 
 class _Collect:

@@ -7,7 +7,6 @@ import asyncio
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -19,62 +18,20 @@ import torch
 pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
+from servers import start_server, stop_server  # noqa: E402 (tests/serve/servers.py)
 from kvtier.models import byte_tokenizer, random_model  # noqa: E402
 
 KEYS = ("alpha-key-7f3c", "beta-key-91d2")  # long enough that a match in the logs cannot be an accident
 BODY = {"messages": [{"role": "user", "content": "What is 2+2?"}], "max_tokens": 3, "temperature": 0}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(*extra: str, env_keys: str | None = None, host: str = "127.0.0.1", timeout: float = 90.0):
-    import httpx
-
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("KVTIER_API_KEY", None)
-    if env_keys is not None:
-        env["KVTIER_API_KEY"] = env_keys
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", "--model", "random:tiny-qwen2", "--dtype", "fp32",
-                             "--device", "cpu", "--host", host, "--port", str(port), "--max-new-tokens", "8", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-    url = f"http://127.0.0.1:{port}"
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not come up")
-
-
-def _stop(proc) -> str:
-    """SIGTERM, wait, and return everything the server printed."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        out, _ = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    return out
-
-
 @pytest.fixture(scope="module")
 def keyed():
     """A server whose keys come from KVTIER_API_KEY (two, comma-separated), /metrics protected too."""
-    proc, url = _start("--protect-metrics", env_keys=",".join(KEYS))
+    proc, url = start_server("--max-new-tokens", "8", "--protect-metrics", env_keys=",".join(KEYS))
     yield proc, url
-    out = _stop(proc)
-    assert proc.returncode == 0, out
+    code, out = stop_server(proc)
+    assert code == 0, out
     for k in KEYS:  # the keys never reach the server's output (its log lines, its startup line)
         assert k not in out
 
@@ -179,9 +136,10 @@ def test_a_huge_body_is_refused_unread_and_too_many_stops_are_400(keyed):
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
+@pytest.mark.server
 def test_a_public_host_without_a_key_warns_once():
-    proc, url = _start(host="0.0.0.0")
-    out = _stop(proc)
+    proc, url = start_server("--max-new-tokens", "8", host="0.0.0.0")
+    _, out = stop_server(proc)
     assert out.count("without an API key") == 1, out
 
 

@@ -8,8 +8,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,8 +19,9 @@ pytest.importorskip("fastapi")
 pytest.importorskip("openai")
 
 import kvtier  # noqa: E402
+from servers import free_port, start_server, stop_server  # noqa: E402 (tests/serve/servers.py)
 from kvtier.compat import cache_kw  # noqa: E402
-from kvtier.models import byte_tokenizer, random_model  # noqa: E402
+from kvtier.models import byte_tokenizer  # noqa: E402
 from kvtier.serve.continuous import ContinuousEngine  # noqa: E402
 from kvtier.serve.engine import Engine, EngineConfig, GenRequest, QueueFull  # noqa: E402
 from kvtier.serve.text import Assembler, Detokenizer  # noqa: E402
@@ -66,11 +65,6 @@ def test_assembler_think_split_and_stop_strings(cut):
 
 
 # ---- engine vs generate -------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny():
-    return random_model("tiny-qwen2", dtype=torch.float32), byte_tokenizer()
-
-
 def _reference(model, tok, prompts: list[list[int]], max_new: int, policy: str, params: dict) -> list[list[int]]:
     """Greedy `generate` on the left-padded batch, each row cut at its first end-of-sequence token."""
     n = max(len(p) for p in prompts)
@@ -220,48 +214,12 @@ def test_the_servers_startup_objects_leave_the_collectors_walk_and_later_cycles_
 
 
 # ---- the real server ----------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start(*extra: str, timeout: float = 90.0):
-    port = _free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", "--model", "random:tiny-qwen2", "--dtype", "fp32",
-                             "--device", "cpu", "--port", str(port), *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
-    import httpx
-
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return proc, f"http://127.0.0.1:{port}"
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not come up")
-
-
-def _stop(proc) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        return proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        raise
-
-
 @pytest.fixture(scope="module")
 def server():
-    proc, url = _start(*SERVER_FLAGS, "--max-batch", "8", "--max-queue", "64", "--max-new-tokens", "64")
+    proc, url = start_server(*SERVER_FLAGS, "--max-batch", "8", "--max-queue", "64", "--max-new-tokens", "64")
     yield proc, url
-    assert _stop(proc) == 0
+    code, out = stop_server(proc)
+    assert code == 0, out[-3000:]
 
 
 def _client(url):
@@ -477,10 +435,11 @@ def test_load_100_concurrent_streams_end_in_200_or_429_and_nothing_is_left(serve
     assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+@pytest.mark.server
 def test_sigterm_finishes_in_flight_streams_and_exits_zero():
     import httpx
 
-    proc, url = _start("--policy", "full", "--max-new-tokens", "400", "--grace", "20")
+    proc, url = start_server("--policy", "full", "--max-new-tokens", "400", "--grace", "20")
     lines: list[str] = []
 
     def read():
@@ -498,10 +457,11 @@ def test_sigterm_finishes_in_flight_streams_and_exits_zero():
     t.join(60)
     assert lines and lines[-1] == "data: [DONE]"
     assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
-    assert proc.wait(timeout=30) == 0
-    assert "kvtier serve: stopped" in proc.stdout.read()
+    code, out = stop_server(proc)
+    assert code == 0 and "kvtier serve: stopped" in out
 
 
+@pytest.mark.server
 def test_bench_serve_writes_one_row_per_level_and_policy(tmp_path):
     """The load generator end to end on a tiny model (the committed numbers come from benchmarks/results/)."""
     from typer.testing import CliRunner
@@ -523,6 +483,7 @@ def test_bench_serve_writes_one_row_per_level_and_policy(tmp_path):
     assert res.exit_code == 2 and "--concurrency" in res.output
 
 
+@pytest.mark.server
 def test_bench_serve_runs_a_memory_pressure_point(tmp_path):
     """--device-kv-budget and --on-pressure reach the started server; the JSON keeps them and the server's own
     counters (the budget, the device K/V peak, demotions), and the peak never passes the budget."""
@@ -547,6 +508,7 @@ def test_bench_serve_runs_a_memory_pressure_point(tmp_path):
     assert res.exit_code != 0 and "--on-pressure" in res.output
 
 
+@pytest.mark.server
 def test_a_request_that_never_fits_the_budget_is_one_400_streamed_or_not():
     """Under a device-KV budget too small for any prompt, a streamed request gets HTTP 400 (not a 200 whose stream
     then carries an error), naming --device-kv-budget; bench-serve counts such requests as failed, not served."""
@@ -554,7 +516,7 @@ def test_a_request_that_never_fits_the_budget_is_one_400_streamed_or_not():
 
     from kvtier.serve.loadgen import bench_serve
 
-    proc, url = _start("--device-kv-budget", "40KiB", "--on-pressure", "recompute", "--max-new-tokens", "16")
+    proc, url = start_server("--device-kv-budget", "40KiB", "--on-pressure", "recompute", "--max-new-tokens", "16")
     try:
         body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 16}
         for stream in (False, True):
@@ -566,7 +528,7 @@ def test_a_request_that_never_fits_the_budget_is_one_400_streamed_or_not():
         assert row["failed"] == 2 and row["requests"] == 0 and "HTTP 400" in row["first_error"]
         assert httpx.get(url + "/health", timeout=5).status_code == 200
     finally:
-        assert _stop(proc) == 0
+        assert stop_server(proc)[0] == 0
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -582,7 +544,7 @@ def test_bad_serve_flags_are_one_line_before_anything_listens(args, needle):
 
     from kvtier.cli import app
 
-    res = CliRunner().invoke(app, ["serve", "--model", "random:tiny-qwen2", "--port", str(_free_port()), *args])
+    res = CliRunner().invoke(app, ["serve", "--model", "random:tiny-qwen2", "--port", str(free_port()), *args])
     assert res.exit_code == 2 and needle in res.output and "Traceback" not in res.output, res.output
 
 

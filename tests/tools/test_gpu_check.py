@@ -31,6 +31,7 @@ def test_dry_run_lists_the_steps_and_their_budgets(tmp_path):
     assert not (tmp_path / "o").exists()  # a dry run writes nothing
 
 
+@pytest.mark.smoke
 def test_smoke_run_writes_every_step_as_it_finishes(tmp_path):
     out = tmp_path / "gpu"
     res = _run("--smoke", "--out", str(out))
