@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 ORDER = ["env", "cuda_tests", "decode_4k", "decode_16k", "serve_pressure"]
 
