@@ -5,9 +5,10 @@ distributions); how differs:
 - greedy rows without penalties or banned tokens take the caller's one-pass first maximum of the raw logits
   (``greedy_pick``: the server's ``argmax_rows``), bit for bit what greedy decoding gave before;
 - top_k's threshold comes from one ``topk`` over the rows that set it, not a sort;
-- top_p's cut from the most likely tokens (a partial selection of 64, then of 4,096); a row whose top_p mass is not
-  reached within them (a flat tail) from a histogram of its probabilities by their float bits: only the tokens of
-  the bin where the running mass crosses top_p are sorted;
+- top_p's cut from the most likely tokens (a partial selection of 64; then the tokens above a threshold, sorted);
+  a row whose top_p mass lies below every threshold (a flat tail) from a histogram of its probabilities by their
+  float bits: only the tokens of the bin where the running mass crosses top_p are sorted; a row whose kept tokens
+  all lie among its 64 likeliest is drawn from them alone, as the reference draws (no pass over its vocabulary);
 - the draw finds a row's uniform in two levels: sums of ``BLOCK``-token blocks, then the cumulative sum of the one
   block it falls in, not a cumulative sum over the whole vocabulary (the block sums are float32: a draw can differ
   from the reference's float64 running sum only where its uniform lands within ~1e-7 of a token's boundary).
@@ -25,9 +26,13 @@ from .params import SamplingParams
 from .reference import penalise, uniform
 
 BLOCK = 1024  # tokens a block of the two-level draw
-# top_p's partial selections, tried in turn before a histogram: the embedded 0.5B model's next-token distributions
-# after random prompts need 5 - 3,188 tokens for top_p 0.95 at T 0.6 (32 prompts), 5K - 70K at T 1.0
-CANDIDATES = (64, 4096)
+# top_p's first partial selection, and the thresholds tried next (the tokens above one are sorted) before a histogram:
+# the embedded 0.5B model's next-token distributions after random prompts need 4 - 3,187 tokens for top_p 0.95 at
+# T 0.6 (32 prompts; 6 of them within 64), 5K - 70K at T 1.0; above 1e-5 its rows keep >= 95% of their mass in at
+# most 3,342 tokens, above 1e-7 nearly all of it. At 32 such rows the second try was a topk of 4,096 (~21 ms of
+# the step's ~46, 2-core EPYC, fp32); the thresholds cost a compare and a compaction per row (~8 ms).
+CANDIDATES = 64
+THRESHOLDS = (1e-5, 1e-7)
 
 
 def sample_rows(logits: torch.Tensor, params: list[SamplingParams], gens: list[torch.Generator | None],
@@ -89,15 +94,22 @@ def sample_rows_logprobs(logits: torch.Tensor, params: list[SamplingParams], gen
         if sampled:
             rows = [rest[r] for r in sampled]
             xs = x if len(sampled) == len(rest) else x[sampled]
-            w, cut = _weights_rows(xs, [params[i] for i in rows])  # xs now holds the logits after T and top_k
+            # xs now holds the logits after T and top_k; w the probabilities, masked by the cut except in the rows
+            # whose kept tokens are all among their most likely few (cand: row -> their ids and probabilities)
+            w, cut, cand = _weights_rows(xs, [params[i] for i in rows], mask_candidates=False)
             if processed:
                 for j, i in enumerate(rows):
-                    if want[i] is not None:  # top_p's and min_p's left-out tokens are the zero weights (see below)
-                        y = xs[j].masked_fill(w[j] == 0, float("-inf")) if float(cut[j]) > 0 else xs[j]
+                    if want[i] is not None:  # top_p's and min_p's left-out tokens: below the cut (see below)
+                        y = xs[j].masked_fill(w[j] < cut[j], float("-inf")) if float(cut[j]) > 0 else xs[j]
                         lps[i] = torch.log_softmax(y, dim=-1)
-            toks = draw_rows(w, torch.tensor([uniform(gens[i]) for i in rows], dtype=torch.float64))
-            for i, t in zip(rows, toks.tolist()):
-                out[i] = int(t)
+            u = torch.tensor([uniform(gens[i]) for i in rows], dtype=torch.float64)
+            full = [j for j in range(len(rows)) if j not in cand]
+            if full:  # (every row through draw_rows when some row needs it: a gather of the others cost as much)
+                toks = draw_rows(w, u).tolist()
+                for j in full:
+                    out[rows[j]] = int(toks[j])
+            for j, (ids, vals) in cand.items():
+                out[rows[j]] = draw_kept(ids, vals, float(u[j]))
     asking = [i for i in range(B) if want[i] is not None]
     entries: list[TokenLogprobs | None] = [None] * B
     if asking:
@@ -119,11 +131,14 @@ def weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     return _weights_rows(x, params)[0]
 
 
-def _weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`weights_rows`'s weights (n, V) and each row's top_p / min_p cut (n,) (0: neither set); ``x`` is left
-    holding the logits after the temperature and top_k (the processed logits but for the cut). Where a row's cut
-    is above 0, its zero weights are exactly the tokens the cut leaves out: a probability that underflowed to 0 is
-    below any cut too."""
+def _weights_rows(x: torch.Tensor, params: list[SamplingParams], mask_candidates: bool = True
+                  ) -> tuple[torch.Tensor, torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """:func:`weights_rows`'s weights (n, V), each row's top_p / min_p cut (n,) (0: neither set), and the rows whose
+    kept tokens all lie among the ``CANDIDATES`` most likely (row -> their ids and probabilities: the kept tokens
+    exactly, ties at the cut included); with ``mask_candidates=False`` and every cut row such a row, no weight is
+    masked (the caller draws them from the candidates: no pass over the vocabulary); a masked pass covers all rows. ``x`` is left holding the logits after
+    the temperature and top_k (the processed logits but for the cut). A token is left out where its probability is
+    below its row's cut: a probability that underflowed to 0 is below any cut too."""
     n, V = x.shape
     inv = torch.tensor([1.0 / p.temperature for p in params], dtype=torch.float32)
     x.mul_(inv[:, None])
@@ -138,38 +153,72 @@ def _weights_rows(x: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.
     probs = torch.softmax(x, dim=-1)
     cut = torch.zeros(n, dtype=probs.dtype)
     top_p = [r for r, p in enumerate(params) if p.top_p < 1.0]
+    found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     if top_p:
-        cut[top_p] = _top_p_cuts(_rows(probs, top_p), [params[r].top_p for r in top_p])
+        cuts, first = _top_p_cuts(_rows(probs, top_p), [params[r].top_p for r in top_p])
+        cut[top_p] = cuts
+        found = {top_p[m]: v for m, v in first.items()}
     min_p = [r for r, p in enumerate(params) if p.min_p]
     if min_p:
         floor = torch.tensor([params[r].min_p for r in min_p], dtype=torch.float32) * _rows(probs, min_p).amax(dim=-1)
         cut[min_p] = torch.maximum(cut[min_p], floor)
-    if top_p or min_p:
-        probs = probs.masked_fill_(probs < cut[:, None], 0.0)
-    return probs, cut
+    cand = {}
+    for r, (ids, vals) in found.items():
+        keep = vals >= cut[r]  # min_p's floor only raises the cut: still within the candidates
+        cand[r] = (ids[keep], vals[keep])
+    # one masked pass over every row unless no row needs it (a pass row by row was measured slower than one for all:
+    # 32 rows of 152K, 2-core EPYC)
+    if (top_p or min_p) and (mask_candidates or any(float(cut[r]) > 0 and r not in cand for r in range(n))):
+        probs.masked_fill_(probs < cut[:, None], 0.0)
+    return probs, cut, cand
 
 
-def _top_p_cuts(probs: torch.Tensor, top_ps: list[float]) -> torch.Tensor:
+def _top_p_cuts(probs: torch.Tensor, top_ps: list[float]
+                ) -> tuple[torch.Tensor, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
     """Each row's top_p cut (the probability of the last token of the smallest most-likely-first prefix whose mass
-    reaches its top_p). ``probs`` (m, V). First from the most likely tokens (partial selections of ``CANDIDATES``);
-    a row whose mass is not reached within them (a flat tail) from a histogram of its probabilities: the mass of
-    every bin above the one where the running mass crosses top_p is kept whole, and only that bin's tokens are
-    sorted."""
+    reaches its top_p), and for the rows cut within the first partial selection whose last token is below the cut
+    (so no token at the cut lies beyond it) that selection's ids and probabilities (row -> (ids, probs)).
+    ``probs`` (m, V). First from the ``CANDIDATES`` most likely tokens (one ``topk`` for every row); a row whose mass
+    is not reached within them from its tokens above a threshold (``THRESHOLDS``, tried in turn: only those are
+    sorted); a row whose mass lies below every threshold (a flat tail) from a histogram of its probabilities: the
+    mass of every bin above the one where the running mass crosses top_p is kept whole, and only that bin's tokens
+    are sorted. The running sums are the same floats either way (the same values in the same order), so the cut
+    is the one a full sort gives."""
     m, V = probs.shape
     p = torch.tensor(top_ps, dtype=torch.float64)
     cuts = torch.empty(m, dtype=probs.dtype)
-    todo = torch.arange(m)
-    for k in CANDIDATES:
-        k = min(k, V)
-        s = (probs if len(todo) == m else probs[todo]).topk(k, dim=-1).values
-        n = (s.double().cumsum(-1) < p[todo, None]).sum(-1)  # tokens before the one that reaches top_p
-        reached = (n < k) | (k == V)
-        cuts[todo[reached]] = s[reached, n[reached].clamp(max=k - 1)]
-        todo = todo[~reached]
-        if not todo.numel():
-            return cuts
+    first: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    k = min(CANDIDATES, V)
+    s, ids = probs.topk(k, dim=-1)
+    n = (s.double().cumsum(-1) < p[:, None]).sum(-1)  # tokens before the one that reaches top_p
+    todo = []
+    for r in range(m):
+        if int(n[r]) < k or k == V:
+            c = s[r, min(int(n[r]), k - 1)]
+            cuts[r] = c
+            if k == V or float(s[r, k - 1]) < float(c):
+                first[r] = (ids[r], s[r])
+        else:
+            todo.append(r)
+    for t in THRESHOLDS:
+        left = []
+        for r in todo:
+            row = probs[r]
+            vals = row[row > t]  # the tokens above the threshold: a few thousand of a 152K vocabulary
+            if float(vals.double().sum()) < float(p[r]):
+                left.append(r)
+                continue
+            vals = vals.sort(descending=True).values
+            j = int((vals.double().cumsum(0) < p[r]).sum())
+            if j >= vals.numel():  # the sums' rounding: not reached within them after all
+                left.append(r)
+                continue
+            cuts[r] = vals[j]
+        todo = left
+        if not todo:
+            return cuts, first
     cuts[todo] = _top_p_cuts_by_histogram(probs[todo], p[todo])
-    return cuts
+    return cuts, first
 
 
 HIST_BINS = 1 << 15  # the top 15 bits of a float32 >= 0: its exponent and 7 bits of mantissa, in order
@@ -194,6 +243,18 @@ def _top_p_cuts_by_histogram(probs: torch.Tensor, p: torch.Tensor) -> torch.Tens
         n = int(((s.double().cumsum(0) + above) < float(p[r])).sum())
         cuts[r] = s[min(n, s.numel() - 1)]
     return cuts
+
+
+def draw_kept(ids: torch.Tensor, vals: torch.Tensor, u: float) -> int:
+    """:func:`kvtier.sampling.reference.draw` over a row's kept tokens only: ``ids`` (m,) and their weights
+    ``vals`` (m,) float32 (every other token weighs 0), taken in vocabulary order as the reference takes them, so
+    the float64 running sums and the token drawn are the reference's over the whole row."""
+    order = ids.argsort()
+    w = vals[order].double()
+    cum = w.cumsum(0)
+    j = int(torch.searchsorted(cum, torch.tensor([u * float(cum[-1])], dtype=torch.float64), right=True))
+    j = min(j, len(cum) - 1)  # u * total rounded onto the total: the last kept token (each kept one has weight)
+    return int(ids[order[j]])
 
 
 def draw_rows(w: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -122,6 +122,29 @@ def test_batched_draws_equal_the_reference_and_do_not_depend_on_the_batch(V):
             assert got == [everything[i] for i in idx]
 
 
+def test_a_cut_within_the_first_candidates_draws_from_them_as_the_reference_draws():
+    """Peaked rows whose top_p (and min_p) set lies among their 64 most likely tokens are drawn from those alone
+    (no pass over the vocabulary): over 300 seeds the reference's token every time, ties at the cut kept; a row
+    whose tie at the cut runs past the 64th token takes the whole-row path and still draws the reference's."""
+    from kvtier.sampling.batched import _weights_rows
+
+    V = 151_936
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, V, generator=g) - 30.0
+    x[:, :40] = torch.randn(3, 40, generator=g) * 2 + 10  # 40 likely tokens, spread over the vocabulary below
+    x = x[:, torch.randperm(V, generator=g)]
+    x[1, x[1].topk(8).indices] = x[1].max() + 5  # 8 tied tokens hold most of the mass: top_p 0.5 cuts inside them
+    x[2] = -30.0
+    x[2, :100] = 5.0  # 100 equally likely tokens: the cut's tie runs past the 64th
+    params = [SP(0.6, top_p=0.95), SP(1.0, top_p=0.5), SP(1.0, top_p=0.3, min_p=0.5)]
+    _, cut, cand = _weights_rows(x.clone(), params, mask_candidates=False)
+    assert set(cand) == {0, 1} and all(float(v.min()) >= float(cut[r]) for r, (_, v) in cand.items())
+    assert len(cand[1][0]) == 8  # every token tied at the cut is kept
+    for seed in range(300):
+        gens = lambda: [torch.Generator().manual_seed(seed * 3 + i) for i in range(3)]  # noqa: E731
+        assert sample_rows(x, params, gens()) == sample_reference(x, params, gens())
+
+
 def test_greedy_rows_are_the_first_maximum_bit_for_bit():
     x = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, -1.0, 0.0, -5.0]]).bfloat16()
     assert sample_rows(x, [SP(0.0)] * 2, [None, None]) == [1, 0]
