@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .env import cache_dir as env_cache_dir
+from .env import cache_dir  # where models are converted and kept ($KVTIER_CACHE)
 from .kernels.cpu import cpu_bf16_native  # noqa: F401 (the dtype rule; kvtier.models.cpu_bf16_native)
 
 log = logging.getLogger(__name__)
@@ -266,9 +266,6 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 # ---- embedded model --------------------------------------------------------------------------------
-def cache_dir() -> Path:
-    """Where models are converted and kept: ``$KVTIER_CACHE``, else ``~/.cache/kvtier``."""
-    return env_cache_dir()
 
 
 def _offline(name: str) -> OfflineModel:

@@ -163,10 +163,15 @@ def _run_packed(x: torch.Tensor, packed: torch.Tensor | AmxWeight, bias: torch.T
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def _packed_form(p) -> bool:
+    """Whether ``p`` is a packed weight (AMX tiles or oneDNN's layout, both on the CPU), not a plain one."""
+    return type(p) is AmxWeight or p.is_mkldnn
+
+
 def _unpack(packed: torch.Tensor | AmxWeight, in_features: int, dtype: torch.dtype) -> torch.Tensor:
     """The plain weight (out, in) back from its packed form, exactly: the identity (in, in) multiplied through it
     (each output is one product by 1 and sums of zeros, exact in any accumulation order) and transposed."""
-    if not (type(packed) is AmxWeight or packed.is_mkldnn):
+    if not _packed_form(packed):
         return packed
     eye = torch.eye(in_features, dtype=dtype)
     return _run_packed(eye, packed, None).t().contiguous()
@@ -177,11 +182,12 @@ def _repack(w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | AmxWei
     return _pack(w, bias) if w.device.type == "cpu" and packable(w.dtype) else w
 
 
-def _target(fn, dtype: torch.dtype) -> tuple[torch.dtype, torch.device]:
-    """What ``Module._apply``'s ``fn`` (``.to``, ``.float()``, ``.bfloat16()``, ``.cuda()``, ...) makes of a CPU
-    ``dtype`` parameter: its new dtype and device."""
+def _cast_changes(fn, packed: torch.Tensor | AmxWeight, dtype: torch.dtype) -> bool:
+    """Whether ``Module._apply``'s ``fn`` (``.to``, ``.float()``, ``.bfloat16()``, ``.cuda()``, ...) changes the
+    dtype or the device of the ``dtype`` weight ``packed`` holds (a packed form lives on the CPU)."""
     probe = fn(torch.zeros(1, dtype=dtype))
-    return probe.dtype, probe.device
+    where = torch.device("cpu") if _packed_form(packed) else packed.device
+    return (probe.dtype, probe.device) != (dtype, where)
 
 
 class PackedLinear(nn.Module):
@@ -213,9 +219,8 @@ class PackedLinear(nn.Module):
         """A cast of the model (``.float()``, ``.bfloat16()``, ``.to(dtype)``, ``.to(device)``) reaches the packed
         weight too: it is unpacked exactly, cast, and packed again where the new dtype packs on a CPU, else kept
         plain and run by stock F.linear."""
-        dtype, device = _target(fn, self.dtype)
         super()._apply(fn, recurse)  # the bias (and a kept weight)
-        if (dtype, device) != (self.dtype, torch.device("cpu")) or not _packed_form(self.packed):
+        if _cast_changes(fn, self.packed, self.dtype):
             w = fn(_unpack(self.packed, self.in_features, self.dtype))
             self.packed, self.dtype = _repack(w, self.bias), w.dtype
         return self
@@ -231,10 +236,6 @@ class PackedLinear(nn.Module):
 
 # Sibling projections that models call on one input, one after the other (Llama-style attention and MLP names).
 FUSE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
-def _packed_form(p) -> bool:
-    return type(p) is AmxWeight or p.is_mkldnn
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -266,10 +267,7 @@ class _Fused:
     def cast(self, fn) -> None:
         """Follow a cast of the model (see :meth:`PackedLinear._apply`); the members share this object, so the
         first member's cast does it and the others find it done."""
-        dtype, device = _target(fn, self.dtype)
-        if (dtype, device) == (self.dtype, torch.device("cpu")) and _packed_form(self.packed):
-            return
-        if not _packed_form(self.packed) and (dtype, device) == (self.dtype, self.packed.device):
+        if not _cast_changes(fn, self.packed, self.dtype):
             return
         w = fn(_unpack(self.packed, self.in_features, self.dtype))
         self.bias = None if self.bias is None else fn(self.bias)

@@ -7,7 +7,8 @@ import signal
 import socket
 import subprocess
 import sys
-import time
+
+from kvtier.serve.loadgen import wait_until_up
 
 
 def free_port() -> int:
@@ -20,8 +21,6 @@ def start_server(*extra: str, env_keys: str | None = None, host: str = "127.0.0.
                  timeout: float = 90.0) -> tuple[subprocess.Popen, str]:
     """``kvtier serve --model random:tiny-qwen2`` (fp32, CPU, one OpenMP thread) with ``extra`` flags on a free port,
     once its /health answers: (the process, its base URL). ``env_keys``: its ``KVTIER_API_KEY`` (none inherited)."""
-    import httpx
-
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("KVTIER_API_KEY", None)
@@ -31,17 +30,8 @@ def start_server(*extra: str, env_keys: str | None = None, host: str = "127.0.0.
                              "--device", "cpu", "--host", host, "--port", str(port), *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
-    t_end = time.monotonic() + timeout
-    while time.monotonic() < t_end:
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited: {proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise AssertionError("server did not come up")
+    wait_until_up(url, proc, timeout)  # (kvtier bench-serve's own wait: ValueError with the server's output)
+    return proc, url
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> tuple[int, str]:
