@@ -14,7 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvtier.eval.claims_table import Pick, Source, render, replace_block, table_rows
+from kvtier.eval.claims.table import Pick, Source, render, replace_block, table_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 V1 = "benchmarks/results/paper_cpu_2026-12-01"

@@ -24,6 +24,10 @@ MOVED = {
     "kvtier.viz": "kvtier.tools.viz",
     "kvtier.step.cpu": "kvtier.kernels.cpu",  # the kernels' home (kvtier/kernels/)
     "kvtier.step.kernel": "kvtier.kernels.build",
+    "kvtier.eval.claim_rules": "kvtier.eval.claims.rules",  # one claims package (kvtier/eval/claims/)
+    "kvtier.eval.claims_v2": "kvtier.eval.claims.eviction",
+    "kvtier.eval.claims_cliff": "kvtier.eval.claims.cliff",
+    "kvtier.eval.claims_table": "kvtier.eval.claims.table",
 }
 
 

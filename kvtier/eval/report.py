@@ -8,10 +8,9 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from .claim_rules import MIN_FULL_ACCURACY, _configs
-from .claims import write_claims
-from .claims_cliff import CELLS as CLIFF_CELLS
-from .claims_cliff import cells
+from .claims import MIN_FULL_ACCURACY, by_config, write_claims
+from .claims.cliff import CELLS as CLIFF_CELLS
+from .claims.cliff import cells
 from .configs import (comparison, comparison_base, device_kv_bytes, device_tokens, differing_fields, eviction_ratio,
                       family, full_params, settings)
 from .records import dedupe, read_records
@@ -162,7 +161,7 @@ def write_report(run_dir: str | Path, out_dir: str | Path | None = None, html: b
             lines.append(f"| {h['benchmark']} | {h['params']} | {h['hbm_ratios']} | {[round(a, 3) for a in h['accuracies']]} | "
                          f"{h['cochran_q']:.3g} | {h['p_value']:.3g} | {'yes' if h['identical_outputs'] else 'no'} |")
     paths["md"].write_text("\n".join(lines) + "\n")
-    strata = cells(_configs(records))
+    strata = cells(by_config(records))
     if len(strata) >= 2:  # one figure across the strata says what their per-benchmark plots would say piecemeal
         paths.update(plot_cliff(strata, out))
     in_strata = {r["benchmark"] for r in strata} if len(strata) >= 2 else set()
@@ -252,7 +251,7 @@ def plot_all(rows: list[dict], out: Path) -> dict[str, Path]:
 
 def plot_cliff(strata: list[dict], out: Path) -> dict[str, Path]:
     """Accuracy and retention against chain length over the protected window, one line per configuration of the
-    cliff's cells (:func:`kvtier.eval.claims_cliff.cells`): where eviction starts to cost, and whether the hierarchy
+    cliff's cells (:func:`kvtier.eval.claims.cliff.cells`): where eviction starts to cost, and whether the hierarchy
     at the same device share does."""
     import matplotlib
 

@@ -1,4 +1,4 @@
-"""The README's claim-by-claim table (kvtier/eval/claims_table.py, benchmarks/readme_claims.py): built from records,
+"""The README's claim-by-claim table (kvtier/eval/claims/table.py, benchmarks/readme_claims.py): built from records,
 one short line per picked claims row, and the README holds exactly what the committed records give."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from scripts import benchmark_script
 from test_claims import _cfg
 from test_claims_v2 import RIGHT, _pair
 
-from kvtier.eval.claims_table import BEGIN, END, NOT_RUN, Pick, Source, render, replace_block, table_rows
+from kvtier.eval.claims.table import BEGIN, END, NOT_RUN, Pick, Source, render, replace_block, table_rows
 
 
 def _script():

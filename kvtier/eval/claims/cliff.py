@@ -11,9 +11,9 @@ asks whether evict's loss grows with chain length into the cliff.
 
 from __future__ import annotations
 
-from .claim_rules import MIN_FULL_ACCURACY, TOO_WEAK, _acc_text, _find, _pct, _quantile, paired
-from .claims_v2 import _c2
-from .specs import benchmark_options
+from ..specs import benchmark_options
+from .eviction import c2
+from .rules import MIN_FULL_ACCURACY, TOO_WEAK, ClaimRow, acc_text, find, paired, pct, quantile
 
 WINDOW = 32
 CELLS = (  # name, policy, parameters that identify the configuration
@@ -30,14 +30,14 @@ def strata(by: dict) -> list[str]:
     """The run's ``gsm8k?steps=...`` benchmarks that hold ``full`` and ``evict`` 0.5 (window 32), by their steps."""
     names = {recs[0]["benchmark"] for recs in by.values()}
     out = [b for b in names if b.startswith("gsm8k?") and benchmark_options(b)[1].steps is not None
-           and _find(by, b, "full") and _find(by, b, "evict", evict_ratio=0.5, recent_window=WINDOW)]
+           and find(by, b, "full") and find(by, b, "evict", evict_ratio=0.5, recent_window=WINDOW)]
     return sorted(out, key=lambda b: benchmark_options(b)[1].steps)
 
 
 def _lengths(recs: list[dict]) -> dict:
     """Generated tokens, p10 / median / p90, as the chain-length table quantiles them."""
     xs = sorted(r["generated_tokens"] for r in recs)
-    return {"p10": _quantile(xs, 0.1), "median": _quantile(xs, 0.5), "p90": _quantile(xs, 0.9)}
+    return {"p10": quantile(xs, 0.1), "median": quantile(xs, 0.5), "p90": quantile(xs, 0.9)}
 
 
 def cells(by: dict) -> list[dict]:
@@ -46,10 +46,10 @@ def cells(by: dict) -> list[dict]:
     completions equal evict's."""
     out = []
     for b in strata(by):
-        full = _find(by, b, "full")
+        full = find(by, b, "full")
         lo, hi = benchmark_options(b)[1].steps
         row = {"benchmark": b, "steps": [lo, hi], "window": WINDOW, "cells": {}}
-        found = {name: _find(by, b, policy, **want) for name, policy, want in CELLS}
+        found = {name: find(by, b, policy, **want) for name, policy, want in CELLS}
         for name, recs in found.items():
             if not recs:
                 continue
@@ -65,7 +65,7 @@ def cells(by: dict) -> list[dict]:
     return out
 
 
-def evaluate_cliff(by: dict) -> list[dict]:
+def evaluate(by: dict) -> list[ClaimRow]:
     """The cliff claim's row, then C2 on each stratum (the hierarchy at evict's device share), or nothing when the
     run holds fewer than two strata. The cliff is judged on the strata where ``full`` is strong enough for a
     retention to mean something (accuracy >= MIN_FULL_ACCURACY): the shortest of them against the longest."""
@@ -95,33 +95,33 @@ def evaluate_cliff(by: dict) -> list[dict]:
         c = r["cells"]
         ti = c.get("tiered hbm 0.5, evict 0.03")
         return (f"{r['benchmark'].partition('?')[2]} (median chain {c['full']['generated']['median']:g} tokens, "
-                f"{r['chain_over_window']:.1f}x the window): full {_acc_text(c['full']['accuracy'])}, evict 0.5 "
-                f"{_pct(c['evict 0.5']['accuracy']['accuracy'])} (retention {_pct(c['evict 0.5']['retention'])}, p "
+                f"{r['chain_over_window']:.1f}x the window): full {acc_text(c['full']['accuracy'])}, evict 0.5 "
+                f"{pct(c['evict 0.5']['accuracy']['accuracy'])} (retention {pct(c['evict 0.5']['retention'])}, p "
                 f"{c['evict 0.5']['mcnemar_p']:.2g})"
-                + (f", tiered at the same device share {_pct(ti['accuracy']['accuracy'])} (retention "
-                   f"{_pct(ti['retention'])})" if ti else ""))
+                + (f", tiered at the same device share {pct(ti['accuracy']['accuracy'])} (retention "
+                   f"{pct(ti['retention'])})" if ti else ""))
 
     weak = [r["benchmark"].partition("?")[2] for r in rows if r not in usable]
-    out = [{"claim": f"C1 at length: on GSM8K strata by reference steps (window {WINDOW}, prompt protected), "
+    out = [ClaimRow(claim=f"C1 at length: on GSM8K strata by reference steps (window {WINDOW}, prompt protected), "
                      "evicting 50% costs more as chains grow, into the cliff",
-            "paper": "eviction falls off a cliff on reasoning: a thought from hundreds of tokens ago is referenced again",
-            "kvtier": "; ".join(one(r) for r in rows)
+            paper="eviction falls off a cliff on reasoning: a thought from hundreds of tokens ago is referenced again",
+            kvtier="; ".join(one(r) for r in rows)
                       + (f" (judged without {', '.join(weak)}: full below {100 * MIN_FULL_ACCURACY:.0f}% there)"
                          if weak and len(usable) >= 2 else ""),
-            "verdict": verdict, "rule": rule, "data": {"strata": rows},
-            "n": f"{min(r['cells']['full']['n'] for r in rows)} per stratum",
-            "short": "evict 0.5 keeps " + " / ".join(_pct(r["cells"]["evict 0.5"]["retention"]) for r in rows)
+            verdict=verdict, rule=rule, data={"strata": rows},
+            n=f"{min(r['cells']['full']['n'] for r in rows)} per stratum",
+            short="evict 0.5 keeps " + " / ".join(pct(r["cells"]["evict 0.5"]["retention"]) for r in rows)
                      + " of full at " + " / ".join(r["benchmark"].partition("=")[2] for r in rows)
-                     + " reference steps (full " + " / ".join(_pct(r["cells"]["full"]["accuracy"]["accuracy"])
+                     + " reference steps (full " + " / ".join(pct(r["cells"]["full"]["accuracy"]["accuracy"])
                                                               for r in rows) + ")"
                      + (f"; judged without {', '.join(weak)} (full below {100 * MIN_FULL_ACCURACY:.0f}%)"
-                        if weak and len(usable) >= 2 else "")}]
+                        if weak and len(usable) >= 2 else ""))]
     for r in rows:  # C2 where the length bites: tiered at evict's device share, per stratum
         b = r["benchmark"]
-        full, ev = _find(by, b, "full"), _find(by, b, "evict", evict_ratio=0.5, recent_window=WINDOW)
-        ti = _find(by, b, CELLS[2][1], **CELLS[2][2])
+        full, ev = find(by, b, "full"), find(by, b, "evict", evict_ratio=0.5, recent_window=WINDOW)
+        ti = find(by, b, CELLS[2][1], **CELLS[2][2])
         if full and ev and ti:
-            out.append(_c2(full, ev, ti, WINDOW, b))
+            out.append(c2(full, ev, ti, WINDOW, b))
     return out
 
 
@@ -143,11 +143,11 @@ def cliff_lines(rows: list[dict]) -> list[str]:
                 cols.append("–")
                 continue
             g = c["generated"]
-            txt = f"{_acc_text(c['accuracy'])}; {g['p10']}/{g['median']:g}/{g['p90']} tokens"
+            txt = f"{acc_text(c['accuracy'])}; {g['p10']}/{g['median']:g}/{g['p90']} tokens"
             if name != "full":
-                txt += f"; retention {_pct(c['retention'])}, p {c['mcnemar_p']:.2g}"
+                txt += f"; retention {pct(c['retention'])}, p {c['mcnemar_p']:.2g}"
             if "identical_to_evict" in c:
-                txt += f"; {_pct(c['identical_to_evict'])} identical to evict"
+                txt += f"; {pct(c['identical_to_evict'])} identical to evict"
             cols.append(txt)
         lo, hi = r["steps"]
         out.append(f"| {lo}{'' if lo == hi else f'-{hi}'} | {r['chain_over_window']:.1f} | " + " | ".join(cols) + " |")

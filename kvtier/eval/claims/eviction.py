@@ -2,18 +2,18 @@
 device share eviction keeps, and HBM independence on the default (split) path — plus the grid they come from, with
 each row's tokens destroyed and attended at the step its answer ended (the records' ``answer_step``).
 
-Rows appear only where the run holds the second campaign (a configuration with a 32-token recent window), and
-replace the first campaign's C1 row there; verdicts come from :data:`kvtier.eval.claims.VERDICTS`, each
-with the rule that gave it.
+Rows appear only where the run holds the second campaign (a configuration with a 32-token recent window,
+:func:`in_run`); :func:`kvtier.eval.claims.evaluate` says which first-campaign rows they replace. Verdicts come from
+:data:`kvtier.eval.claims.rules.VERDICTS`, each with the rule that gave it.
 """
 
 from __future__ import annotations
 
 from statistics import median
 
-from .claim_rules import MIN_FULL_ACCURACY, TOO_WEAK, _acc_text, _find, _pct, cliff_verdict, paired
-from .configs import full_params
-from .stats import cochran_q
+from ..configs import full_params
+from ..stats import cochran_q
+from .rules import MIN_FULL_ACCURACY, TOO_WEAK, ClaimRow, acc_text, cliff_verdict, find, paired, pct
 
 WINDOWS = (32, 128)
 EVICTS = (0.25, 0.5, 0.75)
@@ -36,7 +36,7 @@ def answer_counts(recs: list[dict]) -> dict | None:
 def _counts_text(c: dict | None) -> str:
     if c is None:
         return "–"
-    return f"{c['destroyed']:g} destroyed ({_pct(c['destroyed_share'])}), {c['attended']:g} attended"
+    return f"{c['destroyed']:g} destroyed ({pct(c['destroyed_share'])}), {c['attended']:g} attended"
 
 
 def in_run(by: dict, bench: str) -> bool:
@@ -52,12 +52,12 @@ def grid(by: dict, bench: str = "gsm8k") -> list[dict]:
     v2 run (:func:`in_run`)."""
     if not in_run(by, bench):
         return []
-    full = _find(by, bench, "full")
+    full = find(by, bench, "full")
     out = []
     for w in WINDOWS:
         for e in (PAIR_EVICT, *EVICTS):  # evict 0.03: every method attends what tiered attends (equal information)
-            for name, recs in (("evict", _find(by, bench, "evict", evict_ratio=e, recent_window=w)),
-                               ("tiered", _find(by, bench, "tiered", hbm_ratio=round(1 - e, 6),
+            for name, recs in (("evict", find(by, bench, "evict", evict_ratio=e, recent_window=w)),
+                               ("tiered", find(by, bench, "tiered", hbm_ratio=round(1 - e, 6),
                                                 evict_ratio=PAIR_EVICT, recent_window=w, attention="split",
                                                 protect_prompt=True, quant_ratio=0.0))):
                 if not recs:
@@ -75,39 +75,39 @@ def grid(by: dict, bench: str = "gsm8k") -> list[dict]:
     return out
 
 
-def evaluate_v2(by: dict, bench: str = "gsm8k") -> list[dict]:
-    """The v2 claim rows found in ``by`` (configurations keyed as :func:`kvtier.eval.claims._configs` keys them);
+def evaluate(by: dict, bench: str = "gsm8k") -> list[ClaimRow]:
+    """The v2 claim rows found in ``by`` (configurations keyed as :func:`kvtier.eval.claims.rules.by_config` keys them);
     empty outside a v2 run (:func:`in_run`)."""
-    rows: list[dict] = []
+    rows: list[ClaimRow] = []
     if not in_run(by, bench):
         return rows
-    full = _find(by, bench, "full")
+    full = find(by, bench, "full")
     short = bench.partition("?")[0]
     for w in WINDOWS:
-        ev = _find(by, bench, "evict", evict_ratio=0.5, recent_window=w)
-        ti = _find(by, bench, "tiered", hbm_ratio=0.5, evict_ratio=PAIR_EVICT, recent_window=w, attention="split",
+        ev = find(by, bench, "evict", evict_ratio=0.5, recent_window=w)
+        ti = find(by, bench, "tiered", hbm_ratio=0.5, evict_ratio=PAIR_EVICT, recent_window=w, attention="split",
                    protect_prompt=True, quant_ratio=0.0)
         if full and ev:
-            rows.append(_c1(full, ev, w, short))
+            rows.append(c1(full, ev, w, short))
         if full and ev and ti:
-            rows.append(_c2(full, ev, ti, w, short))
-    c3 = {h: _find(by, bench, "tiered", hbm_ratio=h, evict_ratio=0.25, recent_window=32, attention="split",
-                   protect_prompt=True, quant_ratio=0.0) for h in (0.3, 0.5, 0.7)}
-    if all(c3.values()):
-        rows.append(_c3(c3, short))
-    ti = _find(by, bench, "tiered", hbm_ratio=0.5, evict_ratio=PAIR_EVICT, recent_window=32, attention="split",
+            rows.append(c2(full, ev, ti, w, short))
+    by_hbm = {h: find(by, bench, "tiered", hbm_ratio=h, evict_ratio=0.25, recent_window=32, attention="split",
+                      protect_prompt=True, quant_ratio=0.0) for h in (0.3, 0.5, 0.7)}
+    if all(by_hbm.values()):
+        rows.append(c3(by_hbm, short))
+    ti = find(by, bench, "tiered", hbm_ratio=0.5, evict_ratio=PAIR_EVICT, recent_window=32, attention="split",
                protect_prompt=True, quant_ratio=0.0)
     base = _protected_baselines(by, bench)
     if ti and base:
-        same_info = _find(by, bench, "evict", evict_ratio=PAIR_EVICT, recent_window=32)
-        rows.append(_baselines(ti, base, short, same_info))
+        same_info = find(by, bench, "evict", evict_ratio=PAIR_EVICT, recent_window=32)
+        rows.append(baselines(ti, base, short, same_info))
     return rows
 
 
 def _protected_baselines(by: dict, bench: str) -> dict[str, list[dict]]:
     """Each per-head baseline at tiered's device share (budget ratio 0.5, floored at its 32-token window) with the
     prompt protected, keyed by name (R-KV once per buffer)."""
-    from ..policies import equal_memory_baselines
+    from ...policies import equal_memory_baselines
 
     out = {}
     for recs in by.values():
@@ -122,7 +122,7 @@ def _protected_baselines(by: dict, bench: str) -> dict[str, list[dict]]:
     return dict(sorted(out.items()))
 
 
-def _baselines(ti: list[dict], base: dict[str, list[dict]], bench: str, same_info: list[dict] | None = None) -> dict:
+def baselines(ti: list[dict], base: dict[str, list[dict]], bench: str, same_info: list[dict] | None = None) -> ClaimRow:
     """``same_info``: evict at tiered's T3 (3%, window 32), everything else on the device: it attends what tiered
     attends, so beside the baselines it tells memory from information (reported, not part of the verdict)."""
     ps = {b: paired(v, ti) for b, v in base.items()}  # tiered is "b"
@@ -135,38 +135,38 @@ def _baselines(ti: list[dict], base: dict[str, list[dict]], bench: str, same_inf
         verdict, rule = "not reproduced", "a baseline is as good or better with McNemar p < 0.05"
     else:
         verdict, rule = "not testable here", "no baseline significantly better, not all significantly worse: this n cannot tell"
-    return {"claim": f"Baselines at equal device memory and equal protection, {bench}: the hierarchy beats eviction "
+    return ClaimRow(claim=f"Baselines at equal device memory and equal protection, {bench}: the hierarchy beats eviction "
                      "methods given the same device share",
-            "paper": "H2O 2–30%, R-KV 0–32%, the hierarchy 56–65% (baselines without prompt protection)",
-            "kvtier": f"tiered hbm 0.5, evict 0.03, window 32 {_acc_text(next(iter(ps.values()))['b'])}, at the answer "
+            paper="H2O 2–30%, R-KV 0–32%, the hierarchy 56–65% (baselines without prompt protection)",
+            kvtier=f"tiered hbm 0.5, evict 0.03, window 32 {acc_text(next(iter(ps.values()))['b'])}, at the answer "
                       f"{_counts_text(answer_counts(ti))}; "
-                      + "; ".join(f"{b} {_acc_text(p['a'])} (p {p['mcnemar_p']:.2g}), at the answer "
+                      + "; ".join(f"{b} {acc_text(p['a'])} (p {p['mcnemar_p']:.2g}), at the answer "
                                   f"{_counts_text(answer_counts(base[b]))}" for b, p in ps.items())
                       + ("" if info is None else
-                         f"; equal information (evict 0.03, window 32, all on the device) {_acc_text(info['a'])} "
+                         f"; equal information (evict 0.03, window 32, all on the device) {acc_text(info['a'])} "
                          f"(p {info['mcnemar_p']:.2g})"),
-            "verdict": verdict, "rule": rule,
-            "data": {**ps, **({} if info is None else {"equal information: evict 0.03": info})},
-            "n": min(p["n"] for p in ps.values()),
-            "short": f"tiered {_pct(next(iter(ps.values()))['b']['accuracy'])}; "
-                     + ", ".join(f"{b} {_pct(p['a']['accuracy'])}" for b, p in ps.items())
-                     + ("" if info is None else f"; equal information (evict 0.03) {_pct(info['a']['accuracy'])}")}
+            verdict=verdict, rule=rule,
+            data={**ps, **({} if info is None else {"equal information: evict 0.03": info})},
+            n=min(p["n"] for p in ps.values()),
+            short=f"tiered {pct(next(iter(ps.values()))['b']['accuracy'])}; "
+                     + ", ".join(f"{b} {pct(p['a']['accuracy'])}" for b, p in ps.items())
+                     + ("" if info is None else f"; equal information (evict 0.03) {pct(info['a']['accuracy'])}"))
 
 
-def _c1(full: list[dict], ev: list[dict], w: int, bench: str) -> dict:
+def c1(full: list[dict], ev: list[dict], w: int, bench: str) -> ClaimRow:
     p = paired(full, ev)
     c = answer_counts(ev)
     verdict, rule = cliff_verdict(p)
-    return {"claim": f"C1 eviction bites on {bench} (window {w}, prompt protected): evicting 50% takes accuracy to ~0",
-            "paper": "~0 whatever the score function",
-            "kvtier": f"full {_acc_text(p['a'])} -> evict 0.5 {_acc_text(p['b'])}; retention {_pct(p['retention'])}, "
+    return ClaimRow(claim=f"C1 eviction bites on {bench} (window {w}, prompt protected): evicting 50% takes accuracy to ~0",
+            paper="~0 whatever the score function",
+            kvtier=f"full {acc_text(p['a'])} -> evict 0.5 {acc_text(p['b'])}; retention {pct(p['retention'])}, "
                       f"McNemar p {p['mcnemar_p']:.2g}; at the answer (median per row): {_counts_text(c)}",
-            "verdict": verdict, "rule": rule, "data": {**p, "answer_counts": c, "window": w}, "n": p["n"],
-            "short": f"full {_pct(p['a']['accuracy'])} → evict 0.5 {_pct(p['b']['accuracy'])} (p {p['mcnemar_p']:.2g})"
-                     + ("" if c is None else f"; {_pct(c['destroyed_share'])} of a row destroyed at its answer")}
+            verdict=verdict, rule=rule, data={**p, "answer_counts": c, "window": w}, n=p["n"],
+            short=f"full {pct(p['a']['accuracy'])} → evict 0.5 {pct(p['b']['accuracy'])} (p {p['mcnemar_p']:.2g})"
+                     + ("" if c is None else f"; {pct(c['destroyed_share'])} of a row destroyed at its answer"))
 
 
-def _c2(full: list[dict], ev: list[dict], ti: list[dict], w: int, bench: str) -> dict:
+def c2(full: list[dict], ev: list[dict], ti: list[dict], w: int, bench: str) -> ClaimRow:
     pf, pe = paired(full, ti), paired(ev, ti)  # tiered is "b" in both
     ret = pf["retention"]
     if pf["a"]["accuracy"] < MIN_FULL_ACCURACY:
@@ -181,17 +181,17 @@ def _c2(full: list[dict], ev: list[dict], ti: list[dict], w: int, bench: str) ->
     else:
         verdict, rule = "not testable here", ("neither a significant win over evict with the paper's retention nor a "
                                               "significant loss: this n cannot tell")
-    return {"claim": f"C2 at the device share evict keeps, {bench} (window {w}): HBM 0.5 with 3% evicted vs evict 0.5",
-            "paper": f"the hierarchy keeps {100 * C2_RETENTION:.0f}% of full where eviction collapses",
-            "kvtier": f"full {_acc_text(pf['a'])}; tiered {_acc_text(pf['b'])} (retention {_pct(ret)}, vs full McNemar p "
-                      f"{pf['mcnemar_p']:.2g}); evict 0.5 {_acc_text(pe['a'])} (vs tiered McNemar p {pe['mcnemar_p']:.2g}); "
+    return ClaimRow(claim=f"C2 at the device share evict keeps, {bench} (window {w}): HBM 0.5 with 3% evicted vs evict 0.5",
+            paper=f"the hierarchy keeps {100 * C2_RETENTION:.0f}% of full where eviction collapses",
+            kvtier=f"full {acc_text(pf['a'])}; tiered {acc_text(pf['b'])} (retention {pct(ret)}, vs full McNemar p "
+                      f"{pf['mcnemar_p']:.2g}); evict 0.5 {acc_text(pe['a'])} (vs tiered McNemar p {pe['mcnemar_p']:.2g}); "
                       f"at the answer: tiered {_counts_text(answer_counts(ti))}, evict {_counts_text(answer_counts(ev))}",
-            "verdict": verdict, "rule": rule, "data": {"vs_full": pf, "vs_evict": pe, "window": w}, "n": pf["n"],
-            "short": f"tiered {_pct(pf['b']['accuracy'])} ({_pct(ret)} of full {_pct(pf['a']['accuracy'])}) vs evict "
-                     f"0.5 {_pct(pe['a']['accuracy'])} (p {pe['mcnemar_p']:.2g})"}
+            verdict=verdict, rule=rule, data={"vs_full": pf, "vs_evict": pe, "window": w}, n=pf["n"],
+            short=f"tiered {pct(pf['b']['accuracy'])} ({pct(ret)} of full {pct(pf['a']['accuracy'])}) vs evict "
+                     f"0.5 {pct(pe['a']['accuracy'])} (p {pe['mcnemar_p']:.2g})")
 
 
-def _c3(grid3: dict, bench: str) -> dict:
+def c3(grid3: dict, bench: str) -> ClaimRow:
     maps = [{(r["id"], r.get("sample", 0)): r for r in grid3[h]} for h in (0.3, 0.5, 0.7)]
     common = sorted(set.intersection(*(set(m) for m in maps)))
     same = sum(len({m[k]["completion"] for m in maps}) == 1 for k in common)
@@ -203,19 +203,19 @@ def _c3(grid3: dict, bench: str) -> dict:
         verdict, rule = "not reproduced", "Cochran's Q p < 0.05: the HBM ratio changes accuracy"
     else:
         verdict, rule = "not testable here", f"0.05 <= Cochran's Q p < {C3_P}: between the paper's bound and a difference"
-    return {"claim": f"C3 HBM independence on the default (split) path, {bench}: at fixed eviction the HBM ratio "
+    return ClaimRow(claim=f"C3 HBM independence on the default (split) path, {bench}: at fixed eviction the HBM ratio "
                      "changes nothing",
-            "paper": "p > 0.3 across hbm 0.3/0.5/0.7",
-            "kvtier": f"evict 0.25 (window 32), hbm 0.3/0.5/0.7: accuracy "
-                      + " / ".join(_pct(a) for a in accs)
+            paper="p > 0.3 across hbm 0.3/0.5/0.7",
+            kvtier=f"evict 0.25 (window 32), hbm 0.3/0.5/0.7: accuracy "
+                      + " / ".join(pct(a) for a in accs)
                       + f" (n={len(common)}), Cochran's Q p {p:.2g}; {same}/{len(common)} completions identical across "
                         "the three (the split path merges T0 and T1 partials in float32, so where a token lives "
                         "changes the rounding, and greedy decoding can follow a rounding)",
-            "verdict": verdict, "rule": rule,
-            "data": {"n": len(common), "identical": same, "cochran_q": q, "p": p, "accuracies": accs},
-            "n": len(common),
-            "short": " / ".join(_pct(a) for a in accs) + f" at hbm 0.3 / 0.5 / 0.7 (Cochran's Q p {p:.2g}); "
-                     f"{same}/{len(common)} completions identical"}
+            verdict=verdict, rule=rule,
+            data={"n": len(common), "identical": same, "cochran_q": q, "p": p, "accuracies": accs},
+            n=len(common),
+            short=" / ".join(pct(a) for a in accs) + f" at hbm 0.3 / 0.5 / 0.7 (Cochran's Q p {p:.2g}); "
+                     f"{same}/{len(common)} completions identical")
 
 
 def grid_lines(rows: list[dict]) -> list[str]:
@@ -229,9 +229,9 @@ def grid_lines(rows: list[dict]) -> list[str]:
            "| window | device share | policy | accuracy | retention vs full | McNemar p vs full | at the answer |",
            "|---|---|---|---|---|---|---|"]
     for r in rows:
-        acc = _acc_text(r["accuracy"]) if r["accuracy"] else "–"
+        acc = acc_text(r["accuracy"]) if r["accuracy"] else "–"
         pv = "–" if r["mcnemar_p"] is None else f"{r['mcnemar_p']:.2g}"
         name = f"evict {r['evict']:g}" if r["policy"] == "evict" else f"tiered hbm {r['hbm']:g}, evict {r['evict']:g}"
-        out.append(f"| {r['window']} | {r['device_share']:g} | {name} | {acc} | {_pct(r['retention'])} | {pv} | "
+        out.append(f"| {r['window']} | {r['device_share']:g} | {name} | {acc} | {pct(r['retention'])} | {pv} | "
                    f"{_counts_text(r['counts'])} |")
     return out
