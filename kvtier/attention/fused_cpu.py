@@ -64,7 +64,7 @@ def sdpa_is_faster(dtype: torch.dtype) -> bool:
     SDPA multiplies on AMX and the two are about even (an Intel Xeon with AMX-BF16, one layer without scores,
     512-8192 tokens x batch 1 and 4: 0.96-1.06x SDPA's time, ``benchmarks/results/cpu_xeon_amx_2026-12-02/``).
     With AMX logits and prefetched K/V the kernel is the faster one there too (same machine, 2026-12-04:
-    0.73-0.74x SDPA's time at 2048-8192 tokens x batch 1 and 4, even at 1 x 512; ``benchmarks/kernel_micro.py``,
+    0.73-0.74x SDPA's time at 2048-8192 tokens x batch 1 and 4, even at 1 x 512; ``benchmarks/kernels/kernel_micro.py``,
     ``benchmarks/results/kernel_amx_prefetch_2026-12-04_xeon_amx/``), as it is elsewhere
     (AMD EPYC with AVX512-BF16: 0.69-0.84x in bfloat16; float32 everywhere). A rule by ISA and build, not a timing
     at start, so that one machine always runs one path (a reference policy's floats must not depend on load)."""

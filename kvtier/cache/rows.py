@@ -26,7 +26,7 @@ its new token written and its attention done together with the other such rows: 
 :func:`~kvtier.kernels.rows.append_rows` and one :func:`~kvtier.attention.fused_cpu.attend_rows` call per
 layer, the same floats and scores as each row through the kernel alone, without 2-4 dispatches and a kernel call
 per row and layer (32 ``full`` rows at 512 tokens, bf16, 2-core Xeon with AMX: 145 -> 115 ms a step,
-``benchmarks/step_profile.py --layout rows``). On a CPU where one ``full`` cache alone takes SDPA instead (bf16 on
+``benchmarks/decode/step_profile.py --layout rows``). On a CPU where one ``full`` cache alone takes SDPA instead (bf16 on
 AMX, :func:`~kvtier.attention.fused_cpu.sdpa_is_faster`), its rows in a RowsCache step take the kernel: the same
 tokens up to that rounding. Baseline rows (their own scoring), streamed host tiers, the ordered path and
 ``kernel="eager"`` rows go through their own layers as before.

@@ -18,7 +18,7 @@ from .common import app
 
 __all__ = ["DEBUG_FORMAT", "app", "main"]
 
-# KVTIER_LOG=debug lines carry their time (benchmarks/serve_steps.py reads the served steps' timing from them)
+# KVTIER_LOG=debug lines carry their time (benchmarks/serve/serve_steps.py reads the served steps' timing from them)
 DEBUG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 

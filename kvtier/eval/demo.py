@@ -11,7 +11,7 @@ from .records import dedupe
 from .configs import device_kv_bytes
 from .runner import EvalConfig, read_records, run_eval
 
-# Chosen by benchmarks/demo_task_search.py (results/demo_search_2026-12-01): the task the embedded model solves
+# Chosen by benchmarks/probes/demo_task_search.py (results/demo_search_2026-12-01): the task the embedded model solves
 # most often among those searched, where the answer needs numbers from the prompt (eviction destroys them).
 DEMO_BENCHMARK = "rg:chain_sum?min_terms=3&max_terms=4&max_digits=2"
 # The authors' setting for the eviction comparison: the prompt is not protected, and a short recent window, so

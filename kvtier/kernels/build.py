@@ -96,7 +96,7 @@ def _place(path: Path, directory: Path) -> Path:
 
 def build(name: str, src: Path, directory: Path):
     """Compile ``src`` (with its :func:`headers`) as the extension ``name`` into ``directory`` with kvtier's flags
-    and load it (the one place the build is spelled out: ``benchmarks/kernel_ab.py`` builds other revisions of the
+    and load it (the one place the build is spelled out: ``benchmarks/kernels/kernel_ab.py`` builds other revisions of the
     kernel through it).
 
     The sources are compiled from the build directory's own copies: ninja rebuilds when a source's path or mtime

@@ -371,7 +371,7 @@ class ContinuousEngine(EngineBase):
         self.step_log.append({"step": self.metrics.steps, "decode": decoded,
                               "chunks": chunks, "ms": ms})
         if log.isEnabledFor(logging.DEBUG):  # KVTIER_LOG=debug: what each step held and took
-            # (rows in the step, of them carrying a prompt chunk, the chunks' tokens: benchmarks/serve_steps.py)
+            # (rows in the step, of them carrying a prompt chunk, the chunks' tokens: benchmarks/serve/serve_steps.py)
             log.debug("step %d: %d rows, %d joining with %d prompt tokens, %.1f ms", self.metrics.steps, len(rows),
                       len(chunks), sum(n for _, n in chunks), ms)
 

@@ -10,7 +10,7 @@ activations (:mod:`kvtier.step.mlp`) are called as their one kernel call each (a
 one product, cut into the members' columns, as their modules return it), and a bf16 rotary embedding as one kernel
 call per tensor (:mod:`kvtier.step.rotary`, the model function's rounding). Measured on a 2-core Xeon with AMX
 (Qwen2.5-0.5B bf16, serve's rows step at 384 tokens, the two paths stepped back to back on twin caches,
-``benchmarks/module_overhead.py``): 5.1 ms a step saved at 1 row (of 63), 3.7 at 8 (of 76), 5.0 at 32 (of 115), the
+``benchmarks/decode/module_overhead.py``): 5.1 ms a step saved at 1 row (of 63), 3.7 at 8 (of 76), 5.0 at 32 (of 115), the
 direct step faster in 64-72 of 72 paired steps; the logits equal the model's at every step.
 
 Which models: ``llama``, ``mistral``, ``qwen2`` and ``qwen3`` (its per-head q/k norms) whose causal-LM, model and
@@ -25,7 +25,7 @@ The engine's switch: ``EngineConfig.direct_step`` (``kvtier serve --no-direct-st
 
 A batch cache (one cache of B rows, as ``generate`` and ``kvtier bench`` hold them) takes the same step for its
 decode steps (:func:`batch_logits`; ``kvtier bench --no-direct`` keeps the model's forward): the embedded 0.5B
-model in bf16 on a 2-core EPYC (AVX512-BF16), ``benchmarks/module_overhead.py --layout batch``: 4.5 ms a step
+model in bf16 on a 2-core EPYC (AVX512-BF16), ``benchmarks/decode/module_overhead.py --layout batch``: 4.5 ms a step
 saved at 1 row (of 57), 3.1 at 32 (of 123), logits equal at every step. ``generate`` takes it through
 :mod:`kvtier.step.decode` (its ``custom_generate`` hook; kvtier patches nothing), as ``kvtier eval`` calls it.
 """

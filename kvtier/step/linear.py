@@ -31,7 +31,7 @@ nothing: today's stock path, bit for bit.
 Sibling projections of one input are packed as one weight (:class:`FusedLinear`): an attention's q/k/v and an MLP's
 gate/up. One oneDNN call then reads them all, and each module returns its columns of the result: 4 matmul calls a
 layer instead of 7, fewer and wider multiplies (the 0.5B model in bf16 on a 2-core AMX Xeon, serve's whole rows step
-at 512 tokens: 58.5 -> 55.9 ms at 1 row, 109.3 -> 104.5 ms at 32; ``benchmarks/linear_fuse_ab.py``, results in
+at 512 tokens: 58.5 -> 55.9 ms at 1 row, 109.3 -> 104.5 ms at 32; ``benchmarks/probes/linear_fuse_ab.py``, results in
 ``benchmarks/results/linear_fuse_2026-12-04_xeon_amx/``). At decode row counts (1-33 rows
 measured) the fused product is the separate products bit for bit; at some prefill row counts oneDNN blocks the
 wider weight differently and they agree to rounding (tests/step/test_linear.py).

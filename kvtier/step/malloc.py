@@ -5,7 +5,7 @@ pages from the kernel and gives them back on free. A prefill's activations are t
 0.5B model: the MLP's gate/up product is 39 MB, its SiLU and product 20 MB each), allocated and freed in every
 layer, so every layer touches ~100 MB of new pages; in a KVM guest each fault costs microseconds. Measured on a
 2-core AMX Xeon guest, one packed step of 21 GSM8K prompts (2,025 tokens, bf16): 1877 ms with glibc's defaults,
-1356 ms with the thresholds below (medians of 3, ``benchmarks/ttft_burst.py --prefill-only``, results in
+1356 ms with the thresholds below (medians of 3, ``benchmarks/serve/ttft_burst.py --prefill-only``, results in
 ``benchmarks/results/ttft_burst_2026-12-04_xeon_amx/``). Decode steps allocate little and do not change.
 
 What: :func:`keep_freed_memory` raises the mmap threshold to 256 MiB (blocks below it come from malloc's heaps and

@@ -1,4 +1,4 @@
-"""The README's claim-by-claim table (kvtier/eval/claims/table.py, benchmarks/readme_claims.py): built from records,
+"""The README's claim-by-claim table (kvtier/eval/claims/table.py, benchmarks/eval/readme_claims.py): built from records,
 one short line per picked claims row, and the README holds exactly what the committed records give."""
 
 from __future__ import annotations
@@ -78,4 +78,4 @@ def test_check_fails_on_a_stale_readme(tmp_path, capsys):
 
 
 def test_the_readme_table_is_what_the_committed_records_give():
-    assert _script().main(["--check"]) == 0, "run: python benchmarks/readme_claims.py --write"
+    assert _script().main(["--check"]) == 0, "run: python benchmarks/eval/readme_claims.py --write"

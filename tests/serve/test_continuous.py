@@ -306,7 +306,7 @@ def test_a_burst_is_prefilled_in_shared_steps_beside_the_running_rows(tiny, batc
                                                      for r in caplog.records) if m]
     assert [(n, t) for _, n, t in logged if n] == [(len(s["chunks"]), sum(n for _, n in s["chunks"])) for s in joined]
     assert len(logged) == eng.metrics.steps
-    # the same lines as `kvtier serve` writes them, read back by benchmarks/serve_steps.py
+    # the same lines as `kvtier serve` writes them, read back by benchmarks/serve/serve_steps.py
     from kvtier.cli import DEBUG_FORMAT
     from scripts import benchmark_script
 

@@ -1,4 +1,4 @@
-"""benchmarks/bench_table.py: one row per bench JSON, ordered by batch then context, `full`'s median step and its
+"""benchmarks/decode/bench_table.py: one row per bench JSON, ordered by batch then context, `full`'s median step and its
 ratio to stock ("–" in a run without the stock caches), every other configuration's recorded ratio to `full`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/eval_walltime.py: wall seconds from each run's start/end, accuracy over its deduplicated records, and
+"""benchmarks/eval/eval_walltime.py: wall seconds from each run's start/end, accuracy over its deduplicated records, and
 completions compared with the first run's by problem id."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/matrix_ab_table.py: rows found per run folder (<round>_<base|new>), each tiered mode's ratio to full
+"""benchmarks/decode/matrix_ab_table.py: rows found per run folder (<round>_<base|new>), each tiered mode's ratio to full
 within its run, and the median over runs per side."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/peer/run.py: the commands it runs (vLLM's client on the random dataset, unique prompts, --ignore-eos,
+"""benchmarks/serve/peer/run.py: the commands it runs (vLLM's client on the random dataset, unique prompts, --ignore-eos,
 the same sampling for both servers) and the table it builds from the cells (medians, spreads, ratios to vLLM)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/serve_peer_ratios.py: kvtier over the peer within each run (never across runs), median and range,
+"""benchmarks/serve/serve_peer_ratios.py: kvtier over the peer within each run (never across runs), median and range,
 and a run the peer did not finish left out and named."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""benchmarks/serve_steps.py: the served run's time split into steps and the gaps between them, decode steps'
+"""benchmarks/serve/serve_steps.py: the served run's time split into steps and the gaps between them, decode steps'
 median by row count, and what a joining prefill cost beyond a decode step of the rows already running."""
 
 from __future__ import annotations
