@@ -32,8 +32,9 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium fonts-dejavu-core; }
 
+# Both run on every core (pytest-xdist; tests/conftest.py gives each worker its share of torch's threads).
 test: venv browser
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest -n auto --durations=15
 
 # Both ends of the supported transformers range (kvtier/compat.py), each in its own virtualenv, on the core tests.
 TF_OLDEST ?= 5.4.0
@@ -65,9 +66,10 @@ test-isa: venv
 	  KVTIER_KERNEL_MARCH=x86-64-v3 $(BIN)/python -m pytest -q -p no:cacheprovider -k "not embedded_model" $(ISA_TESTS); \
 	else echo "test-isa: not an x86-64 machine, nothing to build"; fi
 
-# The everyday loop: everything but the embedded model's long runs, real servers, fuzzing and whole-tool smoke runs.
+# The everyday loop: everything but the embedded model's long runs, real servers, fuzzing, whole-tool smoke runs and
+# the other tests over ~20 s (heavy).
 test-fast: venv
-	$(BIN)/python -m pytest -m "not slow and not server and not fuzz and not smoke"
+	$(BIN)/python -m pytest -n auto -m "not slow and not server and not fuzz and not smoke and not heavy"
 
 bench: venv
 	$(BIN)/kvtier bench

@@ -17,6 +17,14 @@ from kvtier.models import random_model
 
 REPO = Path(__file__).resolve().parents[1]  # the checkout (tests/ lies one level below it)
 
+# Under pytest-xdist (`make test` runs two workers) each worker takes its share of the cores, and so do the servers
+# and tools its tests start: two workers each threading over every core would oversubscribe them (4-10x slower).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+if _WORKERS > 1:
+    _THREADS = max(1, (os.cpu_count() or 1) // _WORKERS)
+    torch.set_num_threads(_THREADS)
+    os.environ["OMP_NUM_THREADS"] = str(_THREADS)
+
 
 def _find_data_dir() -> Path:
     """The shared benchmark data (never copied into the repo): $KVTIER_DATA_DIR, else a `shared/data` beside

@@ -76,6 +76,7 @@ def _eval_cmd(out: Path, limit: int) -> list[str]:
             "--out", str(out)]
 
 
+@pytest.mark.heavy
 def test_killed_run_resumes_without_loss_or_duplicates(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -217,7 +218,8 @@ def test_demo_table_on_a_tiny_model(tmp_path):
     recs = _records(tmp_path / "demo")
     assert len(recs) == 2 * len(DEMO_CONFIGS)
     assert "tiered (hbm 0.3, evict 0.03, protect_prompt False" in res.output and "same text / answer as full" in res.output
-    assert (tmp_path / "demo" / "report.html").is_file() and "report.html" in res.output
+    # the console wraps a long temporary path anywhere (xdist's adds "popen-gw0/"): look for the name unwrapped
+    assert (tmp_path / "demo" / "report.html").is_file() and "report.html" in res.output.replace("\n", "")
     assert all("tier_map" in r for r in recs)
 
 

@@ -13,6 +13,7 @@ from collections import Counter
 import pytest
 
 ray = pytest.importorskip("ray", reason="the kvtier[ray] extra (make venv installs it)")
+pytestmark = pytest.mark.heavy  # a Ray cluster per module, killed workers: ~100 s on 2 cores
 
 from kvtier.eval.ray_sweep import RaySweepError, run_eval_ray  # noqa: E402
 from kvtier.eval.records import read_records  # noqa: E402

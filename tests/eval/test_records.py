@@ -64,6 +64,7 @@ def _eval_proc(out: Path, limit: int, new_tokens: int = 24) -> list[str]:
             "--out", str(out)]
 
 
+@pytest.mark.heavy
 def test_one_writer_per_folder_and_a_killed_holder_is_taken_over(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, PYTHONPATH=str(REPO))

@@ -26,6 +26,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
 """
 
 
+@pytest.mark.heavy
 def test_a_build_is_compiled_once_and_reused_from_another_checkout(tmp_path, caplog):
     """The build compiles its directory's copy of the source: the same source from another path (another clone)
     loads the build without compiling again; only a compile is announced."""

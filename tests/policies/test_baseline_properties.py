@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -77,6 +78,7 @@ def cases(draw):
     return policy, prompt, steps, pad, spec, params, protect, draw(st.integers(0, 10_000))
 
 
+@pytest.mark.heavy
 @settings(max_examples=240, deadline=None)
 @given(cases())
 def test_headwise_invariants(case):

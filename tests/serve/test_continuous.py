@@ -714,6 +714,7 @@ def test_demoted_and_promoted_counters_equal_the_moved_bytes_over_a_pressure_run
     assert sum(r.sink.end[2]["kvtier"]["demoted_tokens"] for r in reqs) == m.demoted_tokens
 
 
+@pytest.mark.heavy
 def test_queue_mode_reserves_what_each_row_s_own_policy_needs(tiny):
     """Queue mode admits a request when its peak fits: a ``full`` row's peak is its one buffer (full_columns), so a
     budget of exactly four such peaks runs four ``full`` rows at once (reserved at the tiered size, it ran three),

@@ -32,6 +32,7 @@ def _run(mode: str, env_mode: str | None) -> str:
     return out.stdout
 
 
+@pytest.mark.heavy
 @pytest.mark.skipif(not GLIBC, reason="glibc's mallopt: Linux with glibc only")
 def test_set_when_kvtier_packs_and_only_then():
     from kvtier.step.linear import packable
