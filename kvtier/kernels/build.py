@@ -7,9 +7,10 @@ CPU's ISA flags, so a build made on an AVX-512 machine is never loaded on an AVX
 build; it compiles that directory's own copies of the source and headers, so another clone or checkout of the same
 sources loads the build instead of compiling again. ``$KVTIER_KERNEL_MARCH`` builds for another target than
 ``native`` (e.g. ``x86-64-v3``: AVX2 and FMA without AVX-512, the code an AVX2-only CPU runs; ``make test-isa``
-tests that build on any x86 machine). A build lock left by a killed build is removed after 10 minutes (torch
-would wait on it forever). If a build fails, one warning is logged and its extension is None (the eager paths
-run). ``KVTIER_KERNEL=eager`` builds neither.
+tests that build on any x86 machine). One process builds a directory at a time, under an ``flock`` that the
+operating system releases however its holder dies; so a torch build ``lock`` file found by the process holding it
+was left by a killed build, and is removed (torch would wait on it forever), never waited on. If a build fails, one
+warning is logged and its extension is None (the eager paths run). ``KVTIER_KERNEL=eager`` builds neither.
 
 - :func:`decode_module`: ``csrc/fused_decode_cpu.cpp``, the fused decode attention (:mod:`kvtier.attention.fused_cpu`)
   and the row ops (:mod:`.rows`);
@@ -24,6 +25,7 @@ import logging
 import os
 import platform
 import time
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 
@@ -38,7 +40,6 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 DECODE_SRC = CSRC / "fused_decode_cpu.cpp"
 STEP_SRC = CSRC / "step_cpu.cpp"
-_STALE_LOCK_S = 600
 
 
 def headers(src: Path) -> list[Path]:
@@ -73,13 +74,40 @@ def build_name(src: Path = DECODE_SRC, prefix: str = "kvtier_fused_cpu") -> str:
 
 
 def build_dir(name: str) -> Path:
+    """``name``'s directory under :func:`~kvtier.env.kernel_dir` (made if missing)."""
     out = kernel_dir() / name
     out.mkdir(parents=True, exist_ok=True)
-    lock = out / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-        log.warning("kvtier: removing a stale kernel build lock %s", lock)
-        lock.unlink(missing_ok=True)
     return out
+
+
+@contextmanager
+def builder(directory: Path):
+    """Be the one process building in ``directory``: an exclusive ``flock`` on its ``kvtier.lock`` (holding the
+    holder's PID), which the kernel releases when the holder exits or is killed. Every kvtier build takes it before
+    torch's own file lock (``lock``, created and deleted by the build and waited on forever while it exists), so a
+    ``lock`` file present while this is held was left by a killed build: it is removed, with one warning. A build
+    in progress in another process is waited for, with one warning naming its PID."""
+    import fcntl
+
+    with open(directory / "kvtier.lock", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            log.warning("kvtier: waiting for the kernel build in progress in %s (PID %s)", directory,
+                        f.read().strip() or "unknown")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        f.truncate(0)
+        f.write(str(os.getpid()))
+        f.flush()
+        stale = directory / "lock"
+        if stale.exists():
+            log.warning("kvtier: removing %s, the build lock a killed build left behind", stale)
+            stale.unlink(missing_ok=True)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _place(path: Path, directory: Path) -> Path:
@@ -115,8 +143,9 @@ def build(name: str, src: Path, directory: Path):
         log.warning("kvtier: compiling the CPU kernels of %s (once per machine, CPU kind and torch; about a minute)",
                     src.name)
     t = time.perf_counter()
-    mod = load(name=name, sources=[str(local)], extra_cflags=flags(), extra_ldflags=["-fopenmp"],
-               extra_include_paths=[str(directory)], build_directory=str(directory), verbose=False)
+    with builder(directory):
+        mod = load(name=name, sources=[str(local)], extra_cflags=flags(), extra_ldflags=["-fopenmp"],
+                   extra_include_paths=[str(directory)], build_directory=str(directory), verbose=False)
     if fresh:
         log.info("kvtier: %s built in %.0f s into %s", src.name, time.perf_counter() - t, directory)
     return mod

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 
 from .continuous import ContinuousEngine
 from .engine import Engine, EngineBase, EngineConfig, GenRequest, NeverFits, QueueFull, ShuttingDown
@@ -87,6 +88,12 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
 
     class _Server(uvicorn.Server):
         def handle_exit(self, sig, frame):  # new requests get 503 from the first signal on
+            if not self.started:
+                # Still starting (preparing the model's step, building kernels): nothing is in flight, and the
+                # start-up blocks this thread until it ends, so a flag would be read only then. Stop now.
+                log.warning("kvtier serve: %s during start-up; stopping", signal.Signals(sig).name)
+                logging.shutdown()
+                os._exit(128 + sig)
             app.state.server.draining = True
             super().handle_exit(sig, frame)
 
@@ -98,8 +105,6 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=max(grace_s, 0.1),
                             access_log=False, lifespan="on")
-    import signal
-
     # uvicorn re-raises the signal that stopped it once it is done; with these handlers in place beforehand that
     # second delivery is a no-op, so a graceful stop returns normally (exit code 0) instead of dying by the signal
     before = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}

@@ -1,6 +1,8 @@
-"""The kernels' build recipe: the -march target checked and in the build's name, every header it compiles in its cache key, one compile reused by another checkout."""
+"""The kernels' build recipe: the -march target checked and in the build's name, every header it compiles in its cache key, one compile reused by another checkout, a killed build's lock taken over."""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -62,3 +64,39 @@ def test_the_cache_key_covers_the_headers_a_build_compiles(tmp_path):
     second = kbuild.build_name(tmp_path / "k.cpp", "kvtier_test")
     (tmp_path / "other.h").write_text("#pragma once\n")
     assert len({first, second, kbuild.build_name(tmp_path / "k.cpp", "kvtier_test")}) == 3
+
+
+_LOAD_DECODE = ("import logging, sys; logging.basicConfig(level=logging.WARNING, stream=sys.stderr)\n"
+                "from kvtier.kernels import build as b\n"
+                "n = b.build_name(); b.build(n, b.DECODE_SRC, b.build_dir(n)); print('loaded')")
+
+
+@pytest.mark.skipif(kbuild.decode_module() is None, reason="no compiler: the kernels cannot be built here")
+def test_a_lock_a_killed_build_left_is_taken_over_and_a_live_build_is_waited_for():
+    """A torch build ``lock`` left in the directory (what a build killed mid-way leaves) is removed by the next
+    build, which loads at once instead of waiting forever; a build while another process holds the directory waits,
+    says for whom, and goes on once it is released."""
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    directory = kbuild.build_dir(kbuild.build_name())
+    (directory / "lock").touch()
+    run = subprocess.run([sys.executable, "-c", _LOAD_DECODE], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "loaded" in run.stdout, run.stderr
+    assert "the build lock a killed build left behind" in run.stderr and not (directory / "lock").exists()
+
+    lines: list[str] = []
+    with kbuild.builder(directory):  # this process is building: another waits for it
+        proc = subprocess.Popen([sys.executable, "-c", _LOAD_DECODE], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)
+        reader.start()
+        deadline = time.time() + 120
+        while time.time() < deadline and not any("waiting for the kernel build" in x for x in lines):
+            time.sleep(0.1)
+        assert proc.poll() is None, lines  # still waiting: it did not go past the lock
+    assert proc.wait(timeout=300) == 0 and proc.stdout.read().strip() == "loaded", lines
+    reader.join(timeout=10)
+    assert any(f"waiting for the kernel build in progress in {directory} (PID {os.getpid()})" in x for x in lines), lines

@@ -682,3 +682,34 @@ def test_logprobs_in_openais_format_streamed_and_whole(tiny, mode):
     with TestClient(static) as client:
         r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2, "logprobs": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs" and "static" in r.text
+
+
+@pytest.mark.server
+def test_sigterm_stops_a_server_that_is_still_starting():
+    """A start-up held up (here: another process is building the kernels it needs) stops within seconds on
+    SIGTERM, saying so, instead of finishing its start first."""
+    import subprocess
+    import sys
+
+    from kvtier.kernels import build as kbuild
+
+    if kbuild.decode_module() is None:
+        pytest.skip("no compiler: nothing is built at start-up")
+    directory = kbuild.build_dir(kbuild.build_name())
+    lines: list[str] = []
+    with kbuild.builder(directory):
+        proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", "--model", "random:tiny-qwen2", "--dtype",
+                                 "fp32", "--device", "cpu", "--port", str(free_port())], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+        reader.start()
+        deadline = time.time() + 120
+        while time.time() < deadline and not any("waiting for the kernel build" in x for x in lines):
+            time.sleep(0.1)
+        assert proc.poll() is None and any("waiting for the kernel build" in x for x in lines), lines
+        t = time.time()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM, lines
+        assert time.time() - t < 10
+    reader.join(timeout=10)
+    assert any("SIGTERM during start-up; stopping" in x for x in lines), lines
