@@ -70,6 +70,23 @@ def freeze_startup_objects() -> int:
     return n
 
 
+def _silent_connections_time_out() -> type:
+    """uvicorn's HTTP protocol with its keep-alive timer (``timeout_keep_alive``, 5 s) armed from the moment a
+    connection opens, not only after a first response: uvicorn would keep a connection that never sends a request
+    open forever, so one client opening thousands of silent ones would take every file descriptor and no one else
+    could connect. A request's first bytes disarm it, as they disarm the keep-alive timer."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class SilentConnectionsTimeOut(AutoHTTPProtocol):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            if self.timeout_keep_alive_task is None:
+                self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                    self.timeout_keep_alive_handler)
+
+    return SilentConnectionsTimeOut
+
+
 def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, host: str = "127.0.0.1",
           port: int = 8000, grace_s: float = 10.0, on_ready=None) -> None:
     """Run the server until SIGINT/SIGTERM, then shut down gracefully: stop accepting connections, let in-flight
@@ -104,7 +121,7 @@ def serve(model, tokenizer, settings, engine_cfg: EngineConfig | None = None, ho
                 on_ready(self)
 
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=max(grace_s, 0.1),
-                            access_log=False, lifespan="on")
+                            access_log=False, lifespan="on", http=_silent_connections_time_out())
     # uvicorn re-raises the signal that stopped it once it is done; with these handlers in place beforehand that
     # second delivery is a no-op, so a graceful stop returns normally (exit code 0) instead of dying by the signal
     before = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}

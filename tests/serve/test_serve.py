@@ -713,3 +713,26 @@ def test_sigterm_stops_a_server_that_is_still_starting():
         assert time.time() - t < 10
     reader.join(timeout=10)
     assert any("SIGTERM during start-up; stopping" in x for x in lines), lines
+
+
+def test_five_hundred_silent_connections_do_not_keep_others_out_and_are_closed(server):
+    """A client opens 500 connections and never sends a byte: a request beside them is served as usual, and the
+    server closes each silent one after its keep-alive timeout (5 s) instead of holding it open forever."""
+    import httpx
+
+    proc, url = server
+    port = int(url.rsplit(":", 1)[1])
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(500)]
+    try:
+        r = httpx.post(url + "/v1/chat/completions", timeout=30,
+                       json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
+        t = time.time()
+        for s in silent:
+            s.settimeout(max(1.0, 30 - (time.time() - t)))
+            assert s.recv(1) == b""  # closed by the server (a timeout here raises)
+        assert time.time() - t < 30
+    finally:
+        for s in silent:
+            s.close()
+    assert proc.poll() is None
