@@ -7,7 +7,7 @@ server's ``/metrics`` and RSS are read: running and waiting rows, device K/V aga
 preemptions, demotions, budget violations, live caches, the client's requests in flight, and the latencies of the
 requests that ended since. At the end the server must fall idle (no row, no waiting request, no device K/V, no live
 cache), and some seeded-sampled requests are sent again, alone and whole, and must return the same text (a token
-sent twice, or lost, in a stream shows there). Talks HTTP only: no model here. The command is
+sent twice, or lost, in a stream shows there). A client's last request runs to its end after the duration. Talks HTTP only: no model here. The command is
 ``benchmarks/serve/soak.py``.
 """
 
@@ -338,19 +338,22 @@ def _reruns(run: _Run) -> list[dict]:
 
 
 def judge(result: dict) -> dict:
-    """The soak's figures, each beside its goal: budget breaches, unexpected answers, requests that ended without
-    an outcome, sampled texts unequal to their solo reruns, idle afterwards, RSS drift after warm-up, and the p99
-    latency of the last window over the first's."""
+    """The soak's figures, each beside its goal: budget breaches, unexpected answers, sampled texts unequal to their
+    solo reruns, idle afterwards; RSS drift (the server's RSS once idle afterwards over its RSS after the warm-up:
+    under load RSS follows the K/V it holds, in the host tier too, so only an idle server's RSS can show a leak);
+    and slow degradation: the p99 of seconds per generated token (a request's time over its tokens: a long answer is
+    not a slow one) of the requests that ended in the last window over those of the first."""
     samples, outs, cfg = result["samples"], result["outcomes"], result["config"]
     budget = [s for s in samples if s["device_kv_budget_bytes"] and s["device_kv_bytes"] > s["device_kv_budget_bytes"]]
     host = cfg.get("host_kv_budget_bytes")
     host_over = bool(host) and any(s["host_kv_peak_bytes"] > host for s in samples)
     last = samples[-1] if samples else {}
     warm = [s for s in samples if s["t"] >= min(60.0, 0.2 * cfg["duration_s"]) and s["rss_mib"] is not None]
-    window = min(300.0, cfg["duration_s"] / 4)
-    first = [o["end"] - o["start"] for o in outs if o["outcome"] == "done" and o["end"] <= window]
-    tail = [o["end"] - o["start"] for o in outs if o["outcome"] == "done" and o["end"] >= cfg["duration_s"] - window]
     idle = result["idle"]
+    window = min(300.0, cfg["duration_s"] / 4)
+    per_token = [(o["end"], (o["end"] - o["start"]) / o["tokens"]) for o in outs if o["outcome"] == "done" and o["tokens"]]
+    first = [x for end, x in per_token if end <= window]
+    tail = [x for end, x in per_token if cfg["duration_s"] - window <= end <= cfg["duration_s"]]
     return {
         "requests": len(outs),
         "by_outcome": {k: sum(o["outcome"] == k for o in outs) for k in ("done", "cancelled", "vanished", "refused",
@@ -362,8 +365,11 @@ def judge(result: dict) -> dict:
         "unexpected_details": sorted({o["detail"] for o in outs if o["outcome"] == "unexpected"})[:10],
         "reruns_equal": f"{sum(r['equal'] for r in result['reruns'])}/{len(result['reruns'])}",
         "idle_after": not (idle["running"] or idle["waiting"] or idle["device_kv_bytes"] or idle["live_caches"]),
-        "rss_drift": (warm[-1]["rss_mib"] / warm[0]["rss_mib"] - 1) if len(warm) >= 2 else None,
-        "p99_last_over_first": (pct(tail, 99) / pct(first, 99)) if first and tail and pct(first, 99) else None,
+        "rss_drift": (idle["rss_mib"] / warm[0]["rss_mib"] - 1) if warm and idle.get("rss_mib") else None,
+        "rss_mib": {"after_warm_up": warm[0]["rss_mib"] if warm else None, "peak": max((s["rss_mib"] for s in warm),
+                    default=None), "idle_after": idle.get("rss_mib")},
+        "p99_per_token_last_over_first": (pct(tail, 99) / pct(first, 99)) if first and tail else None,
+        "per_token_requests": {"first_window": len(first), "last_window": len(tail), "window_s": window},
         "preemptions": last.get("preemptions", 0.0), "demoted_tokens": last.get("demoted_tokens", 0.0),
     }
 
