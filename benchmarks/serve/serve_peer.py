@@ -25,7 +25,6 @@ import os
 import platform
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,13 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from kvtier.serve.loadgen import pct, stream_chat  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvtier.serve.loadgen import free_port, pct, stream_chat  # noqa: E402
 
 
 def cpu_info() -> dict:

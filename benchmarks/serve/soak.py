@@ -17,7 +17,6 @@ import os
 import secrets
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from kvtier.serve.loadgen import wait_until_up  # noqa: E402
+from kvtier.serve.loadgen import free_port, wait_until_up  # noqa: E402
 from kvtier.serve.soak import SoakConfig, run_soak, write_soak  # noqa: E402
 from kvtier.config import parse_bytes  # noqa: E402
 
@@ -38,12 +37,6 @@ GOALS = (  # (figure, goal, passes)
     ("p99_per_token_last_over_first", "<= 1.2", lambda v: v is None or v <= 1.2),
 )
 MUST = {"budget_breaches", "unexpected", "reruns_equal", "idle_after"}  # the exit code's; the others are reported
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _summary(result: dict, stopped: int, args: argparse.Namespace) -> str:
@@ -102,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     (a.out / "commit.txt").write_text(subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                                                      text=True).stdout)
     (a.out / "lscpu.txt").write_text(subprocess.run(["lscpu"], capture_output=True, text=True).stdout)
-    key, port = secrets.token_hex(16), _free_port()
+    key, port = secrets.token_hex(16), free_port()
     env = dict(os.environ, KVTIER_API_KEY=key)
     log = open(a.out / "server.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "kvtier", "serve", "--model", a.model, "--dtype", a.dtype,

@@ -201,11 +201,10 @@ def bench_serve_cmd(
     def go():
         import os
         import signal
-        import socket
         import subprocess
         import sys
 
-        from ..serve.loadgen import bench_serve, server_counters
+        from ..serve.loadgen import bench_serve, free_port, server_counters, wait_until_up
 
         levels = [int_option("--concurrency", x) for x in concurrency.split(",") if x.strip()]
         if not levels or min(levels) < 1:
@@ -229,9 +228,7 @@ def bench_serve_cmd(
         proc = None
         target = url
         if target is None:
-            with socket.socket() as s_:
-                s_.bind(("127.0.0.1", 0))
-                port = s_.getsockname()[1]
+            port = free_port()
             cmd = [sys.executable, "-m", "kvtier", "serve", "--model", model, "--port", str(port), "--device", device,
                    "--dtype", dtype, "--max-batch", str(max_batch), "--max-queue", str(max_queue),
                    "--max-new-tokens", str(max_tokens)]
@@ -240,7 +237,6 @@ def bench_serve_cmd(
                     cmd += [flag, v]  # the server checks them and names what is allowed
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
             target = f"http://127.0.0.1:{port}"
-            from ..serve.loadgen import wait_until_up
 
             wait_until_up(target, proc, 900)
         target = target.rstrip("/").removesuffix("/v1")

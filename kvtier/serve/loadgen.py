@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import socket
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 TEMPLATES = (
     "A shop sells pencils at {a} cents each. Mia buys {b} pencils and pays with {c} dollars. How much change, in cents, does she get?",
@@ -66,6 +68,26 @@ def pct(xs: list[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a server a tool or test starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_mib(pid: int | None) -> float | None:
+    """A process's resident memory in MiB from /proc (None where it cannot be read)."""
+    if pid is None:
+        return None
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
 
 
 def wait_until_up(url: str, proc, timeout_s: float) -> None:

@@ -23,7 +23,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .loadgen import pct, server_counters
+from .loadgen import pct, rss_mib, server_counters
 
 log = logging.getLogger(__name__)
 
@@ -264,18 +264,6 @@ async def _client(client, run: _Run, c: int, end: float) -> None:
         i += 1
 
 
-def _rss_mib(pid: int | None) -> float | None:
-    if pid is None:
-        return None
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
-
-
 def _metric(m: dict, name: str) -> float:
     """A sample's value by name (counters with or without their ``_total``; labelled samples summed)."""
     return sum(v for k, v in m.items() if k.split("{", 1)[0] in (name, name + "_total"))
@@ -286,7 +274,7 @@ def _sample(run: _Run, since: float) -> dict:
     ended = [o for o in run.outcomes if o.end >= since and o.outcome == "done"]
     lat = [o.end - o.start for o in ended]
     ttft = [o.ttft for o in ended if o.ttft is not None]
-    return {"t": round(run.now(), 2), "rss_mib": _rss_mib(run.cfg.server_pid), "in_flight": run.in_flight,
+    return {"t": round(run.now(), 2), "rss_mib": rss_mib(run.cfg.server_pid), "in_flight": run.in_flight,
             "running": _metric(m, "kvtier_running_rows"), "waiting": _metric(m, "kvtier_queue_depth"),
             "device_kv_bytes": _metric(m, "kvtier_device_kv_bytes"),
             "device_kv_budget_bytes": _metric(m, "kvtier_device_kv_budget_bytes"),

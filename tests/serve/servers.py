@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 
-from kvtier.serve.loadgen import wait_until_up
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from kvtier.serve.loadgen import free_port, wait_until_up  # noqa: F401 (free_port: the tests' import)
 
 
 def start_server(*extra: str, env_keys: str | None = None, host: str = "127.0.0.1",

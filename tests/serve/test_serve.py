@@ -10,7 +10,6 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,6 +23,7 @@ from kvtier.compat import cache_kw  # noqa: E402
 from kvtier.models import byte_tokenizer  # noqa: E402
 from kvtier.serve.continuous import ContinuousEngine  # noqa: E402
 from kvtier.serve.engine import Engine, EngineConfig, GenRequest, QueueFull  # noqa: E402
+from kvtier.serve.loadgen import rss_mib  # noqa: E402
 from kvtier.serve.text import Assembler, Detokenizer  # noqa: E402
 
 TIERED = {"hbm_ratio": 0.3, "evict_ratio": 0.1, "recent_window": 4, "retier_interval": 4}
@@ -372,13 +372,6 @@ def _metrics(url) -> dict[str, float]:
     return out
 
 
-def _rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
-
-
 def test_load_100_concurrent_streams_end_in_200_or_429_and_nothing_is_left(server):
     """100 streaming requests at once against --max-batch 8 --max-queue 64: each ends complete ([DONE] after a
     finish_reason) or 429 with Retry-After; ten clients hang up after their first token; afterwards nothing runs,
@@ -388,7 +381,7 @@ def test_load_100_concurrent_streams_end_in_200_or_429_and_nothing_is_left(serve
     proc, url = server
     body = {"messages": [{"role": "user", "content": "count to ten"}], "max_tokens": 32, "temperature": 0, "stream": True}
     httpx.post(url + "/v1/chat/completions", json=dict(body, stream=False), timeout=60)  # warm
-    idle = _rss_mib(proc.pid)
+    idle = rss_mib(proc.pid)
 
     async def one(client, i):
         hang_up = i % 10 == 0
@@ -428,7 +421,7 @@ def test_load_100_concurrent_streams_end_in_200_or_429_and_nothing_is_left(serve
     assert m["kvtier_running_requests"] == 0 and m["kvtier_queue_depth"] == 0 and m["kvtier_live_caches"] == 0, m
     assert m['kvtier_kv_bytes{location="device",tier="T0"}'] == 0
     assert m['kvtier_requests_total{endpoint="/v1/chat/completions",status="429"}'] == codes.count(429)
-    assert _rss_mib(proc.pid) < idle + 150, (idle, _rss_mib(proc.pid))
+    assert rss_mib(proc.pid) < idle + 150, (idle, rss_mib(proc.pid))
     if codes.count("gone"):  # at least one hang-up reached its row before the row's 64 tokens were done
         assert m['kvtier_finished_requests_total{reason="cancelled"}'] >= 1, m
     ok = httpx.post(url + "/v1/chat/completions", json=dict(body, stream=False), timeout=60)
