@@ -269,16 +269,13 @@ class TieredLayer(KVTierLayer):
         if ch is not None:
             whole = _whole(ch)
             if self.layer_idx == 0:
-                st.n_heads_q = Hq
                 if whole:
+                    st.n_heads_q = Hq
                     st.note_validity(attention_mask, q)
                     if st.retier_enabled:
                         st.place_prefill()
-                elif st.retier_enabled and (ch[2] or st.t0_limit is not None):
-                    # a chunked prompt is placed after its last chunk (and after each one while a device limit
-                    # holds) at the next update, before any layer stores that update's tokens: here the later
-                    # layers' pieces of this chunk are not stored yet
-                    st.place_pending = True
+                else:
+                    st.chunk_attended(Hq)
             if whole:
                 out = prompt_attention(query, key, value, attention_mask, scaling, sinks)
                 if st.retier_enabled:
@@ -303,19 +300,42 @@ class TieredLayer(KVTierLayer):
         """(B, H, n, D) K and V of a chunked prompt's ``n`` tokens so far in position order, after a placement put
         some in T0 and T1 (a prompt's placement evicts and quantizes nothing): a transient copy, as a whole
         prefill's K/V are, so that the device holds no more than its limit between chunks."""
+        return self.positions_kv(0, self.state.n_total)
+
+    def positions_kv(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, H, end - start, D) K and V of positions ``[start, end)`` in position order, gathered from T0, T1 and
+        the tail (a transient copy on the device). Every one of them must be held exactly: a position in T2
+        (int8) or destroyed (T3) is a ValueError."""
         st = self.state
         lay, n = st.layout, st.n_total
+        if not 0 <= start <= end <= n:
+            raise ValueError(f"positions [{start}, {end}) are not within the {n} this cache holds")
         B, H, _, D = self.dev_k.shape
-        k = torch.empty(B, H, n, D, dtype=self.dev_k.dtype, device=self.device)
+        m = lay.n_main
+        k = torch.empty(B, H, end - start, D, dtype=self.dev_k.dtype, device=self.device)
         v = torch.empty_like(k)
+        covered = 0
         for x, (bk, bv) in ((T0, (self.k0, self.v0)), (T1, (self.k1, self.v1))):
             t = lay.tiers[x]
-            if t.count:
-                b, pos, slot = t.b.to(self.device), t.pos.to(self.device), t.slot
-                k[b, :, pos] = bk[t.b, :, slot].to(self.device)
-                v[b, :, pos] = bv[t.b, :, slot].to(self.device)
-        m = lay.n_main
-        k[:, :, m:n], v[:, :, m:n] = self.tail_k[:, :, : n - m], self.tail_v[:, :, : n - m]
+            if not t.count:
+                continue
+            sel = (t.pos >= start) & (t.pos < end)
+            if start == 0 and end >= m:
+                b, pos, slot = t.b, t.pos, t.slot  # (a whole prompt so far: every token of the tier)
+            else:
+                b, pos, slot = t.b[sel], t.pos[sel], t.slot[sel]
+            covered += int(pos.numel())
+            if pos.numel():
+                bd, pd = b.to(self.device), (pos - start).to(self.device)
+                k[bd, :, pd] = bk[b, :, slot].to(self.device)
+                v[bd, :, pd] = bv[b, :, slot].to(self.device)
+        main = int(st.valid[:, start : max(start, min(end, m))].sum())  # (a batch's left padding is in no tier)
+        if covered != main:
+            raise ValueError(f"positions [{start}, {end}) are not all held exactly: some are in T2 (int8) or "
+                             "destroyed (T3)")
+        a = max(start, m)
+        if end > a:
+            k[:, :, a - start :], v[:, :, a - start :] = self.tail_k[:, :, a - m : end - m], self.tail_v[:, :, a - m : end - m]
         return k, v
 
     def _decode_bookkeeping(self) -> None:

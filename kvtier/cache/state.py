@@ -270,6 +270,15 @@ class TierState:
         if not is_decode:
             self.prompt[:, start : self.n_total] = True
 
+    def chunk_attended(self, n_heads_q: int) -> None:
+        """Layer 0 attended this update's piece of a chunked prompt (or a stored prefix was loaded in its place:
+        :meth:`kvtier.cache.tiered.KVTierCache.load_prompt`). The prompt is placed after its last piece (and after
+        each one while a device limit holds) at the next update, before any layer stores that update's tokens:
+        here the later layers' pieces of this one are not stored yet."""
+        self.n_heads_q = n_heads_q
+        if self.retier_enabled and (self.chunk[2] or self.t0_limit is not None):
+            self.place_pending = True
+
     def note_validity(self, attention_mask: torch.Tensor | None, q: int) -> None:
         """Read which of the prompt's positions are padding from the mask's diagonal (B, 1, q, kv).
 

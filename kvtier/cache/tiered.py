@@ -43,6 +43,53 @@ class KVTierCache(ShapeGuardedCache):
                              "with the model's own mask)")
         self.state.open_prompt(n)
 
+    def load_prompt(self, kv: torch.Tensor, n_heads_q: int, piece: int | None = None) -> None:
+        """Put the first ``p`` tokens of an announced prompt (:meth:`open_prompt`, nothing in yet) from K/V computed
+        before (a serving prefix cache): ``kv`` (L, 2, H, p, D), every layer's K and V in position order, as
+        :meth:`prompt_kv` gives them. Each piece (``piece`` tokens; None: all ``p`` at once) is stored as a chunk
+        of the prompt would be, without the model: the chunks that follow attend it, and the prompt is placed as
+        a whole prefill places it. ``p`` must leave at least one token of the prompt to prefill (its logits).
+        Scores: a prefill adds none, so a loaded prefix carries none either. Under a device limit pass the tail
+        reserve as ``piece``: the device then holds at most the limit beside one piece, as with chunks."""
+        st = self.state
+        L, two, H, p, D = kv.shape if kv.dim() == 5 else (None,) * 5
+        if L != len(self.layers) or two != 2:
+            raise ValueError(f"kv must be (layers={len(self.layers)}, 2, H, p, D), got {tuple(kv.shape)}")
+        if not st.prefilling or st.n_total != 0:
+            raise ValueError("load_prompt needs an announced prompt (open_prompt) with nothing in yet")
+        if not 1 <= p < st.prompt_end:
+            raise ValueError(f"load_prompt takes 1 to {st.prompt_end - 1} tokens of the {st.prompt_end}-token prompt "
+                             f"(at least one is left to prefill), got {p}")
+        step = p if piece is None else int(piece)
+        if step < 1:
+            raise ValueError(f"piece must be >= 1 tokens, got {piece!r}")
+        for s in range(0, p, step):
+            e = min(p, s + step)
+            for i, layer in enumerate(self.layers):
+                layer.update(kv[i, 0, :, s:e].unsqueeze(0), kv[i, 1, :, s:e].unsqueeze(0))
+            st.chunk_attended(n_heads_q)
+
+    def prompt_kv(self, start: int, end: int) -> torch.Tensor:
+        """(L, 2, H, end - start, D): every layer's K and V of positions ``[start, end)`` of this one-row cache, in
+        position order (a copy), for :meth:`load_prompt` elsewhere. They must all be held exactly (T0, T1 or the
+        tail): a position in T2 or destroyed is a ValueError."""
+        st = self.state
+        if st.batch != 1:
+            raise ValueError(f"prompt_kv reads a one-row cache, this one has {st.batch} rows")
+        out = None
+        for i, layer in enumerate(self.layers):
+            k, v = layer.positions_kv(start, end)
+            if out is None:
+                out = torch.empty((len(self.layers), 2, *k.shape[1:]), dtype=k.dtype, device=k.device)
+            out[i, 0], out[i, 1] = k[0], v[0]
+        return out
+
+    @property
+    def lossless(self) -> bool:
+        """No token of this cache was ever quantized or destroyed: every K/V it computed attended exact K/V (up to
+        rounding), so its positions are those a prefill of the same tokens gives."""
+        return not any(n for key, n in self.state.changed_total.items() if key.endswith(("T2", "T3")))
+
     @property
     def chunked_prompts(self) -> bool:
         """Whether :meth:`open_prompt` is possible (not for a hybrid model's cache)."""
