@@ -44,6 +44,13 @@ def serve(
                                                                 "prompt is prefilled over several steps; default "
                                                                 "2048, vLLM's; printed at startup)"),
     prefill_tokens: Optional[int] = typer.Option(None, hidden=True, help="replaced by --max-batched-tokens"),
+    prefix_cache: bool = typer.Option(True, help="continuous: reuse the K/V of prompts' whole blocks across "
+                                                 "requests of one API key (and cache_salt); a hit prefills only "
+                                                 "the rest of its prompt"),
+    prefix_cache_host_bytes: str = typer.Option("1GiB", help="host memory the prefix cache may hold; least "
+                                                             "recently used blocks are dropped beyond it"),
+    prefix_block_tokens: int = typer.Option(16, help="tokens per prefix-cache block (a prompt is reused in whole "
+                                                     "blocks)"),
     direct_step: bool = typer.Option(True, help="continuous: step Llama/Qwen2/Qwen3/Mistral models through "
                                                 "kvtier.step.direct (the model's ops without transformers' module "
                                                 "plumbing, checked bit for bit at start); off: the model's forward"),
@@ -122,7 +129,10 @@ def serve(
                             device_kv_fraction=device_kv_fraction, on_pressure=on_pressure,
                             host_kv_budget=None if host_kv_budget is None else parse_bytes("--host-kv-budget", host_kv_budget),
                             max_batched_tokens=max_batched_tokens, prefill_tokens=prefill_tokens,
-                            linear=linear_mode(), direct_step=direct_step, logprobs_mode=logprobs_mode)
+                            linear=linear_mode(), direct_step=direct_step, logprobs_mode=logprobs_mode,
+                            prefix_cache=prefix_cache,
+                            prefix_cache_host_bytes=parse_bytes("--prefix-cache-host-bytes", prefix_cache_host_bytes),
+                            prefix_block_tokens=prefix_block_tokens)
         if generation_config not in ("auto", "openai"):
             raise ValueError(f"--generation-config must be auto or openai, got {generation_config!r}")
         given = {k: v for k, v in (("temperature", default_temperature), ("top_p", default_top_p),

@@ -168,6 +168,8 @@ def _schemas(settings: ServeSettings):
                                                           Field(max_length=settings.max_stop)], None] = None
         n: int = 1
         seed: Optional[int] = Field(None, ge=-(1 << 63), lt=1 << 64)
+        # vLLM's: requests share cached prefixes only with requests of the same API key and the same cache_salt
+        cache_salt: Optional[str] = Field(None, min_length=1, max_length=1024)
         ignore_eos: bool = False  # vLLM's extension: decode through end-of-sequence tokens up to max_tokens (load tests)
         min_tokens: Optional[int] = Field(None, ge=0)  # vLLM's extension: no end of sequence before this many tokens
         # sampling beyond temperature and top_p (vLLM's names and ranges; checked by SamplingParams: a bad value is a
@@ -422,6 +424,14 @@ class Server:
             raise APIError(400, str(e), name) from None
         return req, prompt
 
+    def prefix_salt(self, authorization: str | None, cache_salt: str | None) -> bytes:
+        """The request's prefix-cache salt (:func:`kvtier.serve.prefix.salt_of`): its API key where the server has
+        keys (the route checked it), and its ``cache_salt``."""
+        from .prefix import salt_of
+
+        key = (authorization or "").partition(" ")[2].strip() if self.s.api_keys else None
+        return salt_of(key, cache_salt)
+
     def logprobs_asked(self, body, chat: bool) -> int | None:
         """How many alternatives each token's logprobs carry (None: the request asks for no logprobs). Chat:
         ``logprobs: true`` and ``top_logprobs`` (which needs it), as OpenAI's; completions: ``logprobs: k``."""
@@ -630,6 +640,7 @@ def create_app(engine: EngineBase, settings: ServeSettings):
         endpoint = request.url.path
         try:
             req, _ = srv.build(body, chat)
+            req.prefix_salt = srv.prefix_salt(request.headers.get("authorization"), body.cache_salt)
             q = srv.submit(req)
         except APIError as e:
             return error(e, endpoint)

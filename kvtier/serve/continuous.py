@@ -46,6 +46,7 @@ from ..step.direct import rows_logits
 from ..tiers.layout import grown_capacity
 from .engine import EngineBase, GenRequest, NeverFits
 from .output import RowOutput, safe_sink
+from .prefix import PrefixStore, block_keys
 from .scheduler import Plan, RowNeed, Scheduler, WaitNeed
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ class _Row:
         self.peak_device = 0
         self.prefill: list[int] = []  # what its cache is prefilled with since it (re)started: prompt + generated
         self.prefilled = 0  # of them, in its cache so far (the scheduler says how many each step)
+        self.cached = 0  # of them, taken from the prefix cache when it (last) started
 
     @property
     def done(self) -> bool:
@@ -103,6 +105,11 @@ class ContinuousEngine(EngineBase):
         elem = torch.empty(0, dtype=model.dtype).element_size()
         self.col_bytes = layers * heads * head_dim * 2 * elem  # one token, all layers, K and V
         self._direct = None  # kvtier.step.direct's step, once checked (start()), else the model's forward
+        # the prefix cache (kvtier.serve.prefix): whole prompt blocks' K/V in host memory, None when off
+        self.prefix = PrefixStore(self.cfg.prefix_cache_host_bytes, self.cfg.prefix_block_tokens) \
+            if self.cfg.prefix_cache else None
+        self._keys: dict[int, tuple[int, list[bytes]]] = {}  # request id -> (tokens hashed, their block keys)
+        self.n_heads_q = int(model.config.num_attention_heads)
 
     def _prepared(self) -> None:
         if self.cfg.direct_step:
@@ -140,9 +147,11 @@ class ContinuousEngine(EngineBase):
         b = "no device-KV budget" if self.budget is None else f"device-KV budget {self.budget / 2**20:.1f} MiB"
         h = "" if self.host_budget is None else f", host-KV budget {self.host_budget / 2**30:.1f} GiB"
         step = "direct step" if self._direct is not None else "the model's forward"
+        p = "no prefix cache" if self.prefix is None else \
+            f"prefix cache {self.prefix.host_bytes / 2**30:.2g} GiB host, {self.prefix.block}-token blocks"
         return (f"scheduler continuous (up to {self.cfg.max_batch} rows, {self.max_batched_tokens} tokens a step, "
                 f"prompts chunked, "
-                f"{step}), {b}{h}, on pressure: {self.cfg.on_pressure}")
+                f"{step}), {b}{h}, on pressure: {self.cfg.on_pressure}, {p}")
 
     # ---- the generation thread ----------------------------------------------------------------------
     def _loop(self) -> None:
@@ -178,6 +187,7 @@ class ContinuousEngine(EngineBase):
 
     def _ended_waiting(self, r: GenRequest, now: float) -> bool:
         self._reqs.pop(r.id, None)
+        self._keys.pop(r.id, None)
         row = self._rows.get(r.id)
         if row is None:
             return False
@@ -223,6 +233,56 @@ class ContinuousEngine(EngineBase):
                         peak_bytes=self._peak_bytes(len(req.prompt_ids) + req.max_tokens, req.policy),
                         col_bytes=self.col_bytes, reserve=reserve, can_limit=can_limit, tokens=n)
 
+    # ---- the prefix cache ------------------------------------------------------------------------------
+    def _prefill_tokens(self, req: GenRequest) -> list[int]:
+        """What ``req`` prefills when it (re)starts: its prompt and what it generated before a preemption."""
+        row = self._rows.get(req.id)
+        return list(req.prompt_ids) + (row.generated if row is not None else [])
+
+    def _block_keys(self, req: GenRequest, tokens: list[int]) -> list[bytes]:
+        """The prefix cache's keys of ``tokens``' whole blocks (``req``'s salt), kept while the count stands."""
+        memo = self._keys.get(req.id)
+        if memo is None or memo[0] != len(tokens):
+            memo = self._keys[req.id] = (len(tokens), block_keys(tokens, req.prefix_salt, self.prefix.block))
+        return memo[1]
+
+    def _match(self, waiting: list[GenRequest]) -> None:
+        """Tell the scheduler how many leading tokens of each waiting request the prefix cache holds (only the
+        rest is prefilled when it starts, this step or a later one: looked up again each step). Under the
+        engine's lock; pure lookups."""
+        for r in waiting:  # (all of them: which join is the scheduler's to say; a lookup stops at its first miss)
+            if not self._chunkable(r):
+                continue
+            tokens = self._prefill_tokens(r)
+            self.scheduler.set_cached(r.id, self.prefix.match(self._block_keys(r, tokens), len(tokens)))
+
+    def _load_prefix(self, row: _Row, cached: int, t0: int | None) -> None:
+        """Copy the first ``cached`` tokens' K/V from the prefix cache into the row's new cache (the lookup the
+        scheduler planned with); count the lookup. Under a T0 limit, in pieces of the tail reserve."""
+        keys = self._block_keys(row.req, row.prefill)
+        kv = self.prefix.take(keys, cached, len(row.prefill))
+        row.cached = cached
+        if kv is None:
+            return
+        piece = self._reserve(row.req) if t0 is not None else None
+        row.cache.load_prompt(kv.to(self.model.device), self.n_heads_q, piece=piece)
+        row.prefilled = cached
+
+    def _remember(self, row: _Row, tokens: list[int]) -> None:
+        """Store the whole blocks of ``tokens`` (what the row's cache holds, from its start) that the prefix
+        cache lacks, copied out of the row's cache."""
+        keys = self._block_keys(row.req, tokens)
+        first = self.prefix.missing(keys)
+        if first == len(keys):
+            return
+        B = self.prefix.block
+        try:
+            kv = row.cache.prompt_kv(first * B, len(keys) * B)
+        except ValueError:  # a position no longer held exactly: nothing is stored
+            log.debug("request %d: its blocks from %d are not held exactly; not stored", row.req.id, first)
+            return
+        self.prefix.put(keys, first, kv)
+
     def _chunkable(self, req: GenRequest) -> bool:
         """Whether the request's cache takes its prompt in chunks, as its policy says (the tiered family; a
         head-wise baseline scores its whole prompt at prefill; the server refuses hybrid models)."""
@@ -261,6 +321,8 @@ class ContinuousEngine(EngineBase):
             if not self.scheduler.seqs:
                 return None
             waiting = self._queue_list()
+            if self.prefix is not None:
+                self._match(waiting)
             if self.budget is None:
                 rows, needs = [], []  # only the counts decide: the rows' byte needs (~40 us a row) are not gathered
             else:
@@ -269,6 +331,7 @@ class ContinuousEngine(EngineBase):
             plan = self.scheduler.schedule(rows, needs)
             for key in plan.memory.reject:
                 self._reqs.pop(key, None)
+                self._keys.pop(key, None)
         d = plan.memory
         for key in d.preempt:
             self._preempted(self._rows[key])
@@ -313,9 +376,12 @@ class ContinuousEngine(EngineBase):
                 cache.limit_device(t0)
             self.live_caches.add(cache)
             row.cache = cache
-            row.prefill, row.prefilled = list(req.prompt_ids) + row.generated, 0
-            if self.scheduler.seqs[req.id].chunkable:
+            row.prefill, row.prefilled, row.cached = list(req.prompt_ids) + row.generated, 0, 0
+            seq = self.scheduler.seqs[req.id]
+            if seq.chunkable:
                 cache.open_prompt(len(row.prefill))
+                if self.prefix is not None:
+                    self._load_prefix(row, seq.cached, t0)
             if resumed:
                 row.recomputed += len(row.prefill)
                 self.metrics.recomputed_tokens += len(row.prefill)
@@ -350,6 +416,11 @@ class ContinuousEngine(EngineBase):
         # rows that draw a token: decoding rows and prompts now complete (the scheduler counted the chunks off)
         ready = [(i, row) for i, row in enumerate(rows) if row.prefilled >= len(row.prefill)]
         self._note_device()
+        if self.prefix is not None:  # prompts now all in: their blocks for the requests that follow
+            for key, _ in chunks:
+                row = self._rows.get(key)
+                if row is not None and row.prefilled >= len(row.prefill) and self._chunkable(row.req):
+                    self._remember(row, row.prefill)
         produced = 0
         if ready:
             toks, lps = self._draw(logits if len(ready) == len(rows) else logits[[i for i, _ in ready]],
@@ -411,6 +482,7 @@ class ContinuousEngine(EngineBase):
         tr = st.get("transfer", {})
         return {
             **row.out.usage(),
+            "prompt_tokens_details": {"cached_tokens": row.cached},  # OpenAI's: prompt tokens not computed again
             "kvtier": {
                 "policy": r.policy,
                 "params": dict(r.params),
@@ -426,6 +498,7 @@ class ContinuousEngine(EngineBase):
                 "demoted_tokens": row.demoted + (st.get("changed_tokens", {}).get("T0->T1", 0) if c is not None else 0),
                 "preemptions": row.preemptions,
                 "recomputed_tokens": row.recomputed,
+                "cached_prompt_tokens": row.cached,  # from the prefix cache, when it (last) started
                 "waiting_seconds": round(row.waited, 6),
                 "seconds": time.monotonic() - r.arrived,
             },
@@ -434,6 +507,12 @@ class ContinuousEngine(EngineBase):
     def _finish(self, row: _Row, reason: str) -> None:
         if row.done:
             return
+        c = row.cache
+        if self.prefix is not None and reason in ("stop", "length") and c is not None and self._chunkable(row.req) \
+                and c.lossless:
+            # prompt and answer, for a chat's next turn (a cache that quantized or destroyed tokens computed the
+            # later ones from inexact K/V: it gave its prompt's blocks when the prompt was in)
+            self._remember(row, (list(row.req.prompt_ids) + row.generated)[: c.state.n_total])
         usage = self._usage(row)
         self.metrics.finished[reason] += 1
         self._release(row)
@@ -454,6 +533,7 @@ class ContinuousEngine(EngineBase):
         with self._cv:
             self.scheduler.remove(key)
             self._reqs.pop(key, None)
+        self._keys.pop(key, None)
         self._drop_cache(row)
 
     def _drop_cache(self, row: _Row) -> None:

@@ -100,12 +100,20 @@ class EngineConfig:
     # what a request's logprobs are of: raw_logprobs (the model's logits, vLLM's default) or processed_logprobs (the
     # logits each token was drawn from: penalties, temperature, top_k / top_p / min_p; kvtier.sampling.logprobs)
     logprobs_mode: str = "raw_logprobs"
+    # continuous: reuse the K/V of prompts' whole blocks across requests (kvtier.serve.prefix), kept in host memory up
+    # to prefix_cache_host_bytes, keyed per API key and cache_salt; the static scheduler has none
+    prefix_cache: bool = True
+    prefix_cache_host_bytes: int = 1 << 30
+    prefix_block_tokens: int = 16
 
     def __post_init__(self) -> None:
         from ..sampling.logprobs import check_mode
         from .scheduler import PRESSURE_MODES
 
         check_mode(self.logprobs_mode)
+        from .prefix import PrefixConfig
+
+        PrefixConfig(self.prefix_cache, self.prefix_cache_host_bytes, self.prefix_block_tokens)
 
         from ..step import linear_mode
 
@@ -194,6 +202,7 @@ class GenRequest:
     deadline: float = float("inf")  # time.monotonic() after which the request ends with "timeout"
     separate_reasoning: bool = True
     in_think: bool = False
+    prefix_salt: bytes = b""  # the prefix cache's salt (kvtier.serve.prefix.salt_of: its API key and cache_salt)
     id: int = field(default_factory=itertools.count().__next__)
     cancelled: bool = False
     arrived: float = field(default_factory=time.monotonic)

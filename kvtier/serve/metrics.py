@@ -113,6 +113,21 @@ def _collector(srv):
                                       value=m.recomputed_tokens)
             yield CounterMetricFamily("kvtier_budget_violations", "steps that ended over the device-KV budget",
                                       value=m.budget_violations)
+            store = getattr(eng, "prefix", None)  # the continuous engine's prefix cache (None: off, or static)
+            yield CounterMetricFamily("kvtier_prefix_cache_queries_tokens", "prompt tokens looked up in the prefix "
+                                      "cache (at each request's start)", value=store.queried_tokens if store else 0)
+            yield CounterMetricFamily("kvtier_prefix_cache_hit_tokens", "of them found (whole blocks, not computed "
+                                      "again)", value=store.hit_tokens if store else 0)
+            pc = GaugeMetricFamily("kvtier_prefix_cache_bytes", "bytes of K/V the prefix cache holds, by tier",
+                                   labels=["tier"])
+            pc.add_metric(["device"], 0)  # (kept in host memory: a hit copies its blocks into the row's cache)
+            pc.add_metric(["host"], store.bytes if store else 0)
+            yield pc
+            yield GaugeMetricFamily("kvtier_prefix_cache_blocks", "blocks the prefix cache holds",
+                                    value=len(store) if store else 0)
+            yield CounterMetricFamily("kvtier_prefix_cache_evicted_blocks", "blocks dropped, least recently used "
+                                      "first, to stay within --prefix-cache-host-bytes",
+                                      value=store.evicted_blocks if store else 0)
             buckets = [(str(b), c) for b, c in zip(m.TTFT_BOUNDS, m.ttft_le)] + [("+Inf", m.ttft_n)]
             yield HistogramMetricFamily("kvtier_time_to_first_token_seconds", "arrival to first token",
                                         buckets=buckets, sum_value=m.ttft_sum)

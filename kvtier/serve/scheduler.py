@@ -268,6 +268,7 @@ class Seq:
     generated: int = 0  # tokens drawn so far (a preempted request prefills them again, after its prompt)
     left: int = 0  # while running: tokens still to prefill (0: it decodes)
     preemptions: int = 0
+    cached: int = 0  # while waiting: leading tokens of what it prefills that the prefix cache holds (not computed)
 
     @property
     def tokens(self) -> int:
@@ -322,8 +323,18 @@ class Scheduler:
         and what it generated when it starts again."""
         seq = self.seqs[key]
         self.running.remove(key)
-        seq.left, seq.preemptions = 0, seq.preemptions + 1
+        seq.left, seq.preemptions, seq.cached = 0, seq.preemptions + 1, 0
         self.waiting.appendleft(key)
+
+    def set_cached(self, key: int, tokens: int) -> None:
+        """A waiting request's leading ``tokens`` come from the prefix cache when it starts: only the rest is
+        prefilled (its memory is counted whole, as it ends in its cache all the same)."""
+        seq = self.seqs[key]
+        if key in self.running:
+            raise ValueError(f"request {key} is running: its prefix is settled")
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < seq.tokens:
+            raise ValueError(f"request {key}: cached tokens must be in [0, {seq.tokens}), got {tokens!r}")
+        seq.cached = tokens
 
     def is_waiting(self, key: int) -> bool:
         return key in self.seqs and key not in self.running
@@ -358,7 +369,8 @@ class Scheduler:
         decoding = [k for k in self.running if not self.seqs[k].left]
         prefilling = [PromptNeed(k, self.seqs[k].left, self.seqs[k].chunkable) for k in self.running
                       if self.seqs[k].left]
-        prompts = {k: PromptNeed(k, self.seqs[k].tokens, self.seqs[k].chunkable) for k in self.waiting}
+        prompts = {k: PromptNeed(k, self.seqs[k].tokens - self.seqs[k].cached, self.seqs[k].chunkable)
+                   for k in self.waiting}
         rows = rows if self.budget is not None else [
             RowNeed(key=k, next_bytes=0, col_bytes=0, reserve=0, can_limit=False, generated=0, arrived=0.0)
             for k in self.running]
@@ -370,7 +382,7 @@ class Scheduler:
         for key in plan.tokens.joined:
             self.waiting.remove(key)
             self.running.append(key)
-            self.seqs[key].left = self.seqs[key].tokens
+            self.seqs[key].left = self.seqs[key].tokens - self.seqs[key].cached
         for key, n in plan.tokens.chunks:
             self.seqs[key].left -= n
         return plan

@@ -325,7 +325,8 @@ def test_a_long_prompt_joins_in_chunks_and_every_running_row_advances_each_step(
     tokens, every running row advances one token in every step while the prompt is prefilled (12 chunks), and every
     text equals the request's alone (the long one's too)."""
     model, tok = tiny
-    eng = _Watched(model, tok, EngineConfig(max_batch=8, max_batched_tokens=256))
+    # (no prefix cache: the long prompt's first block is a running prompt's, and every token of it is counted here)
+    eng = _Watched(model, tok, EngineConfig(max_batch=8, max_batched_tokens=256, prefix_cache=False))
     running = [_req(_long_prompt(model, tok, 20, 60, skip=i), 60, "full" if i else "tiered", {} if i else NO_EVICT)
                for i in range(3)]
     long = _req(_long_prompt(model, tok, 3000, 8), 8, "tiered", NO_EVICT)
