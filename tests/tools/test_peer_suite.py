@@ -38,6 +38,12 @@ def test_both_servers_get_the_same_client_command_and_their_own_settings(tmp_pat
     assert kcmd[kcmd.index("--device-kv-budget") + 1] == str(8192 * 12288)  # the same bytes as vLLM's pool
     assert kcmd[kcmd.index("--policy") + 1] == "tiered" and "--hbm-ratio" in kcmd
     assert float(kcmd[kcmd.index("--request-timeout") + 1]) >= 86400  # no deadline vLLM does not have
+    shared = run.client_cmd(a, 8000, "W4", 32, "greedy", tmp_path / "x.json")
+    i = shared.index
+    assert shared[i("--dataset-name") + 1] == "prefix_repetition" and shared[i("--num-prompts") + 1] == "64"
+    assert shared[i("--prefix-repetition-prefix-len") + 1] == "2000"
+    assert shared[i("--prefix-repetition-suffix-len") + 1] == "100"
+    assert shared[i("--prefix-repetition-output-len") + 1] == "256" and "--random-input-len" not in shared
     kfull, _ = run.server_cmd("kvtier-full", a, 8000, "W1")
     assert kfull[kfull.index("--policy") + 1] == "full" and "--device-kv-budget" not in kfull
 
@@ -48,16 +54,18 @@ def test_the_table_holds_medians_spreads_and_ratios(tmp_path):
     for rep, (v, k) in enumerate([(100, 90), (110, 120), (90, 95)]):
         for system, tp, itl in (("vllm", v, 50), ("kvtier-full", k, 55)):
             cells.append({"system": system, "workload": "W1", "clients": 8, "sampling": "greedy", "repeat": rep,
-                          "ok": True, "output_throughput": tp, "p99_ttft_ms": 200, "median_itl_ms": 40,
+                          "ok": True, "output_throughput": tp, "p99_ttft_ms": 200, "median_ttft_ms": 100 + rep,
+                          "median_itl_ms": 40,
                           "p99_itl_ms": itl, "prefix_cache_hits": 16 if system == "vllm" else 0,
-                          "prefix_cache_queries": 512 if system == "vllm" else None, "preemptions": 0})
+                          "prefix_cache_queries": 512 if system == "vllm" else 0, "preemptions": 0})
     cells.append({"system": "vllm", "workload": "W1", "clients": 8, "sampling": "greedy", "repeat": 3, "ok": False})
     (tmp_path / "cells.jsonl").write_text("\n".join(json.dumps(c) for c in cells) + "\n")
     text = run.table(tmp_path)
     vllm = next(x for x in text.splitlines() if "| vllm |" in x)
     kv = next(x for x in text.splitlines() if "| kvtier-full |" in x)
     assert "| 3 | 100.0 (90.0-110.0) |" in vllm and "48/1536" in vllm
-    assert "| 3 | 95.0 (90.0-120.0) | 0.95x |" in kv and "| 1.10x |" in kv and "none (no prefix cache)" in kv
+    assert "| 3 | 95.0 (90.0-120.0) | 0.95x |" in kv and "| 1.10x |" in kv and "| 0 |" in kv
+    assert "| 101 | 1.00x |" in kv  # TTFT p50: medians of both
     assert run.done_cells(tmp_path / "cells.jsonl") == {("vllm", "W1", 8, "greedy", r) for r in range(3)} | {
         ("kvtier-full", "W1", 8, "greedy", r) for r in range(3)}
 

@@ -11,6 +11,8 @@ decodes its output length; ``--temperature 0`` greedy, or ``--sampling sampled``
 - ``W3`` reasoning length under a KV budget: 512 / 4,096 at 16 clients; vLLM's pool set by
   ``--num-gpu-blocks-override`` to ``--w3-budget-tokens`` tokens (the same bytes as kvtier's ``--device-kv-budget``):
   equal *device* budget, kvtier's host bytes at its peak stated beside the result;
+- ``W4`` shared prefixes (vLLM's ``prefix_repetition`` dataset): 2,000 shared prefix tokens + 100 unique ones / 256
+  output tokens at 8 and 32 clients, two prefixes a cell; both servers' prefix caches on (their hits scraped);
 - ``W3T`` the same requests at equal *total* KV memory (run it after ``W3``, in the same repeat): vLLM's pool is the
   budget plus the host bytes kvtier held at its peak in that repeat's ``W3`` cell (read from its ``/metrics``), and
   kvtier runs again with ``--host-kv-budget`` capped to those bytes, so neither gets memory the other did not.
@@ -43,7 +45,9 @@ WORKLOADS = {  # name -> (prompt tokens, output tokens, client counts, prompts p
     "W2": (3500, 256, (8, 32), {8: 16, 32: 32}),
     "W3": (512, 4096, (16,), {16: 16}),
     "W3T": (512, 4096, (16,), {16: 16}),  # W3 at equal total KV memory (see the docstring)
+    "W4": (2100, 256, (8, 32), {8: 16, 32: 64}),  # 2,000 shared + 100 unique prompt tokens (prefix_repetition)
 }
+W4_PREFIX, W4_PREFIXES = 2000, 2  # W4's shared prefix tokens, and how many prefixes a cell's prompts share
 SAMPLING = {"greedy": ["--temperature", "0"], "sampled": ["--temperature", "0.6", "--top-p", "0.95"]}
 SERVED = "peer-model"  # the name both servers answer to
 
@@ -156,10 +160,16 @@ def client_cmd(a, port: int, wl: str, clients: int, sampling: str, out: Path, re
     code = ("import sys; from vllm.benchmarks.serve import add_cli_args, main; "
             "from vllm.utils.argparse_utils import FlexibleArgumentParser as P; "
             "ap = P(); add_cli_args(ap); main(ap.parse_args(sys.argv[1:]))")
+    if wl == "W4":  # prefixes drawn from the cell's seed: no cell shares one with another
+        data = ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(W4_PREFIX),
+                "--prefix-repetition-suffix-len", str(p - W4_PREFIX), "--prefix-repetition-num-prefixes",
+                str(W4_PREFIXES), "--prefix-repetition-output-len", str(o)]
+    else:
+        data = ["--dataset-name", "random", "--random-input-len", str(p), "--random-output-len", str(o),
+                "--random-range-ratio", "0"]
     return [a.vllm_python, "-c", code, "--backend", "openai", "--base-url", f"http://127.0.0.1:{port}",
-            "--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer", a.model_dir,
-            "--dataset-name", "random", "--random-input-len", str(p), "--random-output-len", str(o),
-            "--random-range-ratio", "0", "--num-prompts", str(prompts[clients]), "--max-concurrency", str(clients),
+            "--endpoint", "/v1/completions", "--model", SERVED, "--tokenizer", a.model_dir, *data,
+            "--num-prompts", str(prompts[clients]), "--max-concurrency", str(clients),
             "--ignore-eos", "--seed", str(cell_seed(a.seed, wl, clients, sampling, rep)), "--disable-tqdm", "--percentile-metrics", "ttft,tpot,itl,e2el",
             "--metric-percentiles", "50,90,99", "--save-result", "--result-dir", str(out.parent),
             "--result-filename", out.name, *SAMPLING[sampling]]
@@ -200,7 +210,8 @@ def run(a) -> None:
                     wc = client_cmd(a, port, wl, WORKLOADS[wl][2][0], "greedy", warm)
                     wc[wc.index("--num-prompts") + 1] = "1"
                     wc[wc.index("--seed") + 1] = str(a.seed + 999_000 + rep)  # a prompt no cell sends
-                    wc[wc.index("--random-output-len") + 1] = "16"
+                    if "--random-output-len" in wc:
+                        wc[wc.index("--random-output-len") + 1] = "16"
                     subprocess.run(wc, capture_output=True, text=True, timeout=1800)
                     for clients, sampling in todo:
                         res = a.out / "raw" / f"{system}_{wl}_c{clients}_{sampling}_r{rep}.json"
@@ -227,7 +238,8 @@ def run(a) -> None:
                                         prefix_cache_queries=delta("vllm:prefix_cache_queries_total"),
                                         preemptions=delta("vllm:num_preemptions_total"))
                         else:
-                            cell.update(prefix_cache_hits=0.0, prefix_cache_queries=None,  # kvtier: no prefix cache
+                            cell.update(prefix_cache_hits=delta("kvtier_prefix_cache_hit_tokens_total"),
+                                        prefix_cache_queries=delta("kvtier_prefix_cache_queries_tokens_total"),
                                         preemptions=delta("kvtier_preemptions_total"),
                                         demoted_tokens=delta("kvtier_demoted_tokens_total"),
                                         device_kv_peak_bytes=pick(after, "kvtier_device_kv_peak_bytes"),
@@ -263,6 +275,10 @@ def _memory(cs: list[dict]) -> str:
     return f"pool {blocks} x {block} tokens ({blocks * block} tokens)"
 
 
+def _num(x) -> str:
+    return "" if x is None else f"{x:.0f}"
+
+
 def _med(xs):
     xs = [x for x in xs if x is not None]
     return statistics.median(xs) if xs else None
@@ -273,9 +289,9 @@ def table(out: Path) -> str:
     cells = [c for c in map(json.loads, (out / "cells.jsonl").read_text().splitlines()) if c.get("ok")]
     keys = sorted({(c["workload"], c["clients"], c["sampling"]) for c in cells})
     systems = sorted({c["system"] for c in cells}, key=lambda s: (s != "vllm", s))
-    lines = ["| workload | clients | sampling | system | n | tok/s (min-max) | vs vLLM | TTFT p99 ms | vs vLLM | "
-             "ITL p50 ms | ITL p99 ms | vs vLLM | prefix-cache hits | preemptions | KV MiB: device + host |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | clients | sampling | system | n | tok/s (min-max) | vs vLLM | TTFT p50 ms | vs vLLM | "
+             "TTFT p99 ms | vs vLLM | ITL p50 ms | ITL p99 ms | vs vLLM | prefix-cache hits / queries (tokens) | preemptions | KV MiB: device + host |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for wl, clients, sampling in keys:
         meds = {}
         for s in systems:
@@ -284,14 +300,16 @@ def table(out: Path) -> str:
                 continue
             tp = [c["output_throughput"] for c in cs]
             meds[s] = {"tp": _med(tp), "ttft": _med([c["p99_ttft_ms"] for c in cs]),
+                       "ttft50": _med([c.get("median_ttft_ms") for c in cs]),
                        "itl50": _med([c["median_itl_ms"] for c in cs]), "itl99": _med([c["p99_itl_ms"] for c in cs])}
             v = meds.get("vllm")
             ratio = lambda k: (f"{meds[s][k] / v[k]:.2f}x" if v and v[k] and s != "vllm" else "")  # noqa: E731
             hits = sum(c.get("prefix_cache_hits") or 0 for c in cs)
             queries = sum(c.get("prefix_cache_queries") or 0 for c in cs)
-            hit = f"{hits:.0f}/{queries:.0f}" if s == "vllm" else "none (no prefix cache)"
+            hit = f"{hits:.0f}/{queries:.0f}" if queries else "0"
             lines.append(f"| {wl} | {clients} | {sampling} | {s} | {len(cs)} | {meds[s]['tp']:.1f} ({min(tp):.1f}-"
-                         f"{max(tp):.1f}) | {ratio('tp')} | {meds[s]['ttft']:.0f} | {ratio('ttft')} | "
+                         f"{max(tp):.1f}) | {ratio('tp')} | {_num(meds[s]['ttft50'])} | {ratio('ttft50')} | "
+                         f"{meds[s]['ttft']:.0f} | {ratio('ttft')} | "
                          f"{meds[s]['itl50']:.0f} | {meds[s]['itl99']:.0f} | {ratio('itl99')} | {hit} | "
                          f"{_med([c.get('preemptions') for c in cs]) or 0:.0f} | {_memory(cs)} |")
     text = "\n".join(lines) + "\n"
