@@ -223,11 +223,15 @@ def _schemas(settings: ServeSettings):
     class ErrorBody(BaseModel):
         error: ErrorDetail
 
+    class PromptTokensDetails(BaseModel):
+        cached_tokens: int  # prompt tokens the prefix cache gave (not computed again)
+
     class Usage(BaseModel):
         model_config = ConfigDict(extra="allow")
         prompt_tokens: int
         completion_tokens: int
         total_tokens: int
+        prompt_tokens_details: Optional[PromptTokensDetails] = None
         kvtier: Optional[dict] = None  # tier tokens, peak device KV, bytes moved, finish reason
 
     class TopLogprob(BaseModel):

@@ -268,10 +268,10 @@ class ContinuousEngine(EngineBase):
         row.cache.load_prompt(kv.to(self.model.device), self.n_heads_q, piece=piece)
         row.prefilled = cached
 
-    def _remember(self, row: _Row, tokens: list[int]) -> None:
-        """Store the whole blocks of ``tokens`` (what the row's cache holds, from its start) that the prefix
+    def _remember(self, row: _Row, tokens: list[int], n: int) -> None:
+        """Store the whole blocks of ``tokens[:n]`` (the row's cache holds them, from its start) that the prefix
         cache lacks, copied out of the row's cache."""
-        keys = self._block_keys(row.req, tokens)
+        keys = self._block_keys(row.req, tokens)[: n // self.prefix.block]
         first = self.prefix.missing(keys)
         if first == len(keys):
             return
@@ -280,6 +280,9 @@ class ContinuousEngine(EngineBase):
             kv = row.cache.prompt_kv(first * B, len(keys) * B)
         except ValueError:  # a position no longer held exactly: nothing is stored
             log.debug("request %d: its blocks from %d are not held exactly; not stored", row.req.id, first)
+            return
+        except Exception:  # the store is a saving, never a reason for a request to fail
+            log.exception("request %d: its blocks could not be stored in the prefix cache", row.req.id)
             return
         self.prefix.put(keys, first, kv)
 
@@ -382,9 +385,9 @@ class ContinuousEngine(EngineBase):
                 cache.open_prompt(len(row.prefill))
                 if self.prefix is not None:
                     self._load_prefix(row, seq.cached, t0)
-            if resumed:
-                row.recomputed += len(row.prefill)
-                self.metrics.recomputed_tokens += len(row.prefill)
+            if resumed:  # (what the prefix cache gave is not computed again)
+                row.recomputed += len(row.prefill) - row.cached
+                self.metrics.recomputed_tokens += len(row.prefill) - row.cached
             self.metrics.prompt_tokens += len(req.prompt_ids) if not resumed else 0
         except Exception as e:
             log.exception("could not start request %d", req.id)
@@ -416,11 +419,13 @@ class ContinuousEngine(EngineBase):
         # rows that draw a token: decoding rows and prompts now complete (the scheduler counted the chunks off)
         ready = [(i, row) for i, row in enumerate(rows) if row.prefilled >= len(row.prefill)]
         self._note_device()
-        if self.prefix is not None:  # prompts now all in: their blocks for the requests that follow
+        if self.prefix is not None:
+            # the whole blocks of each prompt so far, for the requests that start next (with a prompt longer than a
+            # step, a request admitted while the first is still prefilling reuses what it has computed)
             for key, _ in chunks:
                 row = self._rows.get(key)
-                if row is not None and row.prefilled >= len(row.prefill) and self._chunkable(row.req):
-                    self._remember(row, row.prefill)
+                if row is not None and row.cache is not None and self._chunkable(row.req):
+                    self._remember(row, row.prefill, row.prefilled)
         produced = 0
         if ready:
             toks, lps = self._draw(logits if len(ready) == len(rows) else logits[[i for i, _ in ready]],
@@ -512,7 +517,7 @@ class ContinuousEngine(EngineBase):
                 and c.lossless:
             # prompt and answer, for a chat's next turn (a cache that quantized or destroyed tokens computed the
             # later ones from inexact K/V: it gave its prompt's blocks when the prompt was in)
-            self._remember(row, (list(row.req.prompt_ids) + row.generated)[: c.state.n_total])
+            self._remember(row, list(row.req.prompt_ids) + row.generated, c.state.n_total)
         usage = self._usage(row)
         self.metrics.finished[reason] += 1
         self._release(row)

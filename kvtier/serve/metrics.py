@@ -77,7 +77,8 @@ def _collector(srv):
             yield GaugeMetricFamily("kvtier_queue_depth", "requests waiting for a batch", value=eng.queue_depth)
             yield GaugeMetricFamily("kvtier_running_requests", "rows of the running batch not finished", value=eng.running)
             yield CounterMetricFamily("kvtier_batches", "batches started", value=m.batches)
-            yield CounterMetricFamily("kvtier_prompt_tokens", "prompt tokens prefilled", value=m.prompt_tokens)
+            yield CounterMetricFamily("kvtier_prompt_tokens", "prompt tokens of the requests started (those "
+                                      "the prefix cache gave included)", value=m.prompt_tokens)
             yield CounterMetricFamily("kvtier_generated_tokens", "tokens generated", value=m.generated_tokens)
             yield GaugeMetricFamily("kvtier_tokens_per_second", "generated tokens per second over the last 10 s",
                                     value=m.tokens_per_second())

@@ -255,6 +255,30 @@ class _Drawn(ContinuousEngine):
         super()._finish(row, reason)
 
 
+def test_a_request_arriving_with_another_reuses_what_that_one_has_computed_so_far(tiny):
+    """Two prompts sharing 256 tokens arrive together; with 128 prompt tokens a step the first is prefilled over
+    three steps and the second waits for room: it starts with the shared blocks the first has stored chunk by chunk,
+    and both give the cold server's texts."""
+    model, tok = tiny
+    a = _tokens(61, 300)
+    b = a[:256] + _tokens(62, 44)
+
+    def run(prefix: bool):
+        eng = ContinuousEngine(model, tok, EngineConfig(max_batch=4, max_batched_tokens=128, prefix_cache=prefix))
+        ra, rb = _req(a, 16), _req(b, 16)
+        eng.submit(ra)
+        eng.submit(rb)
+        eng.start()
+        for r in (ra, rb):
+            assert r.sink.done.wait(120) and r.sink.events[-1][0] == "done"
+        eng.shutdown(grace_s=1)
+        return [r.sink.text for r in (ra, rb)], [r.sink.usage["prompt_tokens_details"]["cached_tokens"] for r in (ra, rb)]
+
+    texts, cached = run(True)
+    cold, _ = run(False)
+    assert texts == cold and cached == [0, 256]
+
+
 def test_prompt_and_answer_serve_the_next_turn_of_a_chat(tiny):
     """A lossless row (full) gives its prompt and its answer at the end: a next prompt that repeats both hits
     beyond the first prompt's blocks; a row that destroyed tokens gives its prompt's blocks only."""
