@@ -243,7 +243,8 @@ def run(a) -> None:
                                         preemptions=delta("kvtier_preemptions_total"),
                                         demoted_tokens=delta("kvtier_demoted_tokens_total"),
                                         device_kv_peak_bytes=pick(after, "kvtier_device_kv_peak_bytes"),
-                                        host_kv_peak_bytes=pick(after, "kvtier_host_kv_peak_bytes"))
+                                        host_kv_peak_bytes=pick(after, "kvtier_host_kv_peak_bytes"),
+                                        prefix_cache_bytes=pick(after, "kvtier_prefix_cache_bytes"))
                         with open(cells_path, "a") as f:
                             f.write(json.dumps(cell) + "\n")
                         print(json.dumps({k: cell.get(k) for k in ("system", "workload", "clients", "sampling",
@@ -266,7 +267,9 @@ def _memory(cs: list[dict]) -> str:
     mib = lambda b: f"{b / 2**20:.0f}"  # noqa: E731
     if cs[0]["system"] != "vllm":
         dev, host = _med([c.get("device_kv_peak_bytes") for c in cs]), _med([c.get("host_kv_peak_bytes") for c in cs])
-        return "" if dev is None else f"{mib(dev)} + {mib(host or 0)} (peaks)"
+        store = _med([c.get("prefix_cache_bytes") for c in cs])
+        return "" if dev is None else f"{mib(dev)} + {mib(host or 0)} (peaks)" + (
+            f"; prefix cache {mib(store)} (host, at the end)" if store else "")
     cmd = cs[0].get("server_cmd", "").split()
     if "--num-gpu-blocks-override" not in cmd:
         return "its KV space (4 GiB unless set)"
