@@ -1,4 +1,4 @@
-"""Real `kvtier serve` subprocesses for the serve tests, in one place: a free port, a server started and waited for, stopped (the shared `tiny` model and the `server` marker are in tests/conftest.py)."""
+"""The serve tests' shared helpers, in one place: real `kvtier serve` subprocesses (a free port, a server started and waited for, stopped) and an engine request's event collector (the shared `tiny` model and the `server` marker are in tests/conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 
 from kvtier.serve.loadgen import free_port, wait_until_up  # noqa: F401 (free_port: the tests' import)
 
@@ -38,3 +40,33 @@ def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> tuple[int, str
         out, _ = proc.communicate()
         raise AssertionError(f"the server did not stop within {timeout} s of SIGTERM: {out[-2000:]}") from None
     return proc.returncode, out
+
+
+class Collect:
+    """An engine request's ``sink``: every event, ``done`` set at its end; ``on_delta`` runs at each delta."""
+
+    def __init__(self, on_delta=None):
+        self.events, self.done, self.on_delta = [], threading.Event(), on_delta
+        self.finished_at = None
+
+    def __call__(self, ev):
+        self.events.append(ev)
+        if ev[0] == "delta" and self.on_delta:
+            self.on_delta()
+        if ev[0] in ("done", "error"):
+            self.finished_at = time.monotonic()
+            self.done.set()
+
+    @property
+    def text(self) -> str:
+        """Content and reasoning text, in order."""
+        return "".join(e[1] + e[2] for e in self.events if e[0] == "delta")
+
+    @property
+    def end(self) -> tuple:
+        return self.events[-1]
+
+    @property
+    def usage(self) -> dict:
+        """The usage block of a request that ended ``done``."""
+        return self.events[-1][2]

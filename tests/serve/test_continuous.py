@@ -15,30 +15,9 @@ from kvtier.attention import fused_cpu
 from kvtier.cache.rows import RowsCache
 from kvtier.serve.continuous import ContinuousEngine
 from kvtier.serve.engine import Engine, EngineConfig, GenRequest, NeverFits
+from servers import Collect as _Collect  # (tests/serve/servers.py)
 
 NO_EVICT = {"hbm_ratio": 0.3, "evict_ratio": 0.0, "recent_window": 4, "retier_interval": 8}
-
-
-class _Collect:
-    def __init__(self, on_delta=None):
-        self.events, self.done, self.on_delta = [], threading.Event(), on_delta
-        self.finished_at = None
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if ev[0] == "delta" and self.on_delta:
-            self.on_delta()
-        if ev[0] in ("done", "error"):
-            self.finished_at = time.monotonic()
-            self.done.set()
-
-    @property
-    def text(self):
-        return "".join(e[1] + e[2] for e in self.events if e[0] == "delta")
-
-    @property
-    def end(self):
-        return self.events[-1]
 
 
 class _Watched(ContinuousEngine):

@@ -4,8 +4,6 @@ it changes nothing."""
 
 from __future__ import annotations
 
-import threading
-import time
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from kvtier.serve.continuous import ContinuousEngine
 from kvtier.serve.engine import EngineConfig, GenRequest
 from kvtier.serve.prefix import PrefixConfig, PrefixStore, block_keys, salt_of
 from kvtier.step.direct import rows_logits
+from servers import Collect as _Collect  # (tests/serve/servers.py)
 
 NO_EVICT = {"hbm_ratio": 0.3, "evict_ratio": 0.0, "recent_window": 4, "retier_interval": 8}
 ORDERED = {"hbm_ratio": 0.3, "evict_ratio": 0.2, "recent_window": 4, "retier_interval": 8, "attention": "ordered"}
@@ -185,24 +184,6 @@ def test_load_prompt_and_prompt_kv_refuse_what_they_cannot_do(model):
 
 
 # ---- the engine -----------------------------------------------------------------------------------------
-class _Collect:
-    def __init__(self):
-        self.events, self.done = [], threading.Event()
-
-    def __call__(self, ev):
-        self.events.append(ev)
-        if ev[0] in ("done", "error"):
-            self.done.set()
-
-    @property
-    def text(self):
-        return "".join(e[1] + e[2] for e in self.events if e[0] == "delta")
-
-    @property
-    def usage(self):
-        return self.events[-1][2]
-
-
 def _req(prompt, max_tokens, policy="full", params=None, **kw):
     return GenRequest(prompt_ids=list(prompt), max_tokens=max_tokens, sink=_Collect(), policy=policy,
                       params=dict(params or {}), separate_reasoning=False, ignore_eos=True, **kw)
