@@ -37,6 +37,7 @@ import torch
 from ..sampling import SamplingParams
 from .metrics import Metrics
 from .output import RowOutput, safe_sink
+from .prefix import BLOCK_TOKENS, DEFAULT_HOST_BYTES, PrefixConfig
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +104,14 @@ class EngineConfig:
     # continuous: reuse the K/V of prompts' whole blocks across requests (kvtier.serve.prefix), kept in host memory up
     # to prefix_cache_host_bytes, keyed per API key and cache_salt; the static scheduler has none
     prefix_cache: bool = True
-    prefix_cache_host_bytes: int = 1 << 30
-    prefix_block_tokens: int = 16
+    prefix_cache_host_bytes: int = DEFAULT_HOST_BYTES
+    prefix_block_tokens: int = BLOCK_TOKENS
 
     def __post_init__(self) -> None:
         from ..sampling.logprobs import check_mode
         from .scheduler import PRESSURE_MODES
 
         check_mode(self.logprobs_mode)
-        from .prefix import PrefixConfig
-
         PrefixConfig(self.prefix_cache, self.prefix_cache_host_bytes, self.prefix_block_tokens)
 
         from ..step import linear_mode

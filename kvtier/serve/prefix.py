@@ -19,13 +19,10 @@ never hits another's prefixes (no tenant can time-probe another's prompts).
 from __future__ import annotations
 
 import hashlib
-import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-
-log = logging.getLogger(__name__)
 
 #: Tokens per block (vLLM's default block size); a prompt shorter than one block is never stored.
 BLOCK_TOKENS = 16
@@ -44,10 +41,11 @@ def salt_of(api_key: str | None, cache_salt: str | None) -> bytes:
     return h.digest()
 
 
-def block_keys(tokens: list[int], salt: bytes = b"", block: int = BLOCK_TOKENS) -> list[bytes]:
-    """One key per whole block of ``tokens`` (a partial last block has none): key ``i`` hashes key ``i - 1``,
-    ``salt`` and block ``i``'s token ids."""
-    keys, parent = [], salt
+def block_keys(tokens: list[int], parent: bytes = b"", block: int = BLOCK_TOKENS) -> list[bytes]:
+    """One key per whole block of ``tokens`` (a partial last block has none): key ``i`` hashes key ``i - 1`` and
+    block ``i``'s token ids; the first block's ``parent`` is the sequence's salt, or, to continue a chain, the key
+    of the block before ``tokens``."""
+    keys = []
     for s in range(0, len(tokens) - block + 1, block):
         h = hashlib.blake2b(parent, digest_size=16)
         h.update(b"".join(int(t).to_bytes(4, "little", signed=False) for t in tokens[s : s + block]))
@@ -93,11 +91,7 @@ class PrefixStore:
     def match(self, keys: list[bytes], tokens: int) -> int:
         """Tokens of a ``tokens``-token prompt (whose block keys are ``keys``) that the store holds, from its start,
         in whole blocks, leaving at least one token to prefill. Counts nothing (see :meth:`take`)."""
-        n = 0
-        for k in keys:
-            if k not in self.blocks:
-                break
-            n += 1
+        n = self.missing(keys)
         while n and n * self.block >= tokens:
             n -= 1
         return n * self.block
@@ -144,8 +138,9 @@ class PrefixStore:
             self.bytes += size
             stored += 1
         self.stored_blocks += stored
-        # a new chain's blocks were added first to last; refresh them last to first, as a hit does
-        for key in reversed(keys[first : first + stored]):
+        # the blocks were refreshed or added first to last; refresh them last to first, as a hit does (all of them,
+        # those held before included: a chain's end goes before its start)
+        for key in reversed(keys[first : first + nb]):
             self.blocks.move_to_end(key)
         return stored
 
