@@ -108,7 +108,8 @@ class ContinuousEngine(EngineBase):
         # the prefix cache (kvtier.serve.prefix): whole prompt blocks' K/V in host memory, None when off
         self.prefix = PrefixStore(self.cfg.prefix_cache_host_bytes, self.cfg.prefix_block_tokens) \
             if self.cfg.prefix_cache else None
-        self._keys: dict[int, tuple[int, list[bytes]]] = {}  # request id -> (tokens hashed, their block keys)
+        # request id -> the block keys of its sequence (prompt, then what it generated) so far: each block hashed once
+        self._keys: dict[int, list[bytes]] = {}
         self.n_heads_q = int(model.config.num_attention_heads)
 
     def _prepared(self) -> None:
@@ -234,17 +235,19 @@ class ContinuousEngine(EngineBase):
                         col_bytes=self.col_bytes, reserve=reserve, can_limit=can_limit, tokens=n)
 
     # ---- the prefix cache ------------------------------------------------------------------------------
-    def _prefill_tokens(self, req: GenRequest) -> list[int]:
-        """What ``req`` prefills when it (re)starts: its prompt and what it generated before a preemption."""
-        row = self._rows.get(req.id)
-        return list(req.prompt_ids) + (row.generated if row is not None else [])
-
-    def _block_keys(self, req: GenRequest, tokens: list[int]) -> list[bytes]:
-        """The prefix cache's keys of ``tokens``' whole blocks (``req``'s salt), kept while the count stands."""
-        memo = self._keys.get(req.id)
-        if memo is None or memo[0] != len(tokens):
-            memo = self._keys[req.id] = (len(tokens), block_keys(tokens, req.prefix_salt, self.prefix.block))
-        return memo[1]
+    def _block_keys(self, req: GenRequest, n: int) -> list[bytes]:
+        """The prefix cache's keys of the whole blocks among the first ``n`` tokens of ``req``'s sequence (its
+        prompt, then what it generated; ``req``'s salt): every token list the engine stores or looks up is a start
+        of that one sequence, so its keys are hashed once, a chain continued as the sequence grows."""
+        keys = self._keys.setdefault(req.id, [])
+        B = self.prefix.block
+        start, stop = len(keys) * B, n // B * B
+        if stop > start:
+            row = self._rows.get(req.id)
+            p, gen = req.prompt_ids, (row.generated if row is not None else [])
+            tokens = list(p[start:stop]) + gen[max(0, start - len(p)) : max(0, stop - len(p))]
+            keys += block_keys(tokens, keys[-1] if keys else req.prefix_salt, B)
+        return keys[: n // B]
 
     def _match(self, waiting: list[GenRequest]) -> None:
         """Tell the scheduler how many leading tokens of each waiting request the prefix cache holds (only the
@@ -253,14 +256,13 @@ class ContinuousEngine(EngineBase):
         for r in waiting:  # (all of them: which join is the scheduler's to say; a lookup stops at its first miss)
             if not self._chunkable(r):
                 continue
-            tokens = self._prefill_tokens(r)
-            self.scheduler.set_cached(r.id, self.prefix.match(self._block_keys(r, tokens), len(tokens)))
+            n = self.scheduler.seqs[r.id].tokens  # (its prompt, and what it generated before a preemption)
+            self.scheduler.set_cached(r.id, self.prefix.match(self._block_keys(r, n), n))
 
     def _load_prefix(self, row: _Row, cached: int, t0: int | None) -> None:
         """Copy the first ``cached`` tokens' K/V from the prefix cache into the row's new cache (the lookup the
         scheduler planned with); count the lookup. Under a T0 limit, in pieces of the tail reserve."""
-        keys = self._block_keys(row.req, row.prefill)
-        kv = self.prefix.take(keys, cached, len(row.prefill))
+        kv = self.prefix.take(self._block_keys(row.req, len(row.prefill)), cached, len(row.prefill))
         row.cached = cached
         if kv is None:
             return
@@ -268,10 +270,10 @@ class ContinuousEngine(EngineBase):
         row.cache.load_prompt(kv.to(self.model.device), self.n_heads_q, piece=piece)
         row.prefilled = cached
 
-    def _remember(self, row: _Row, tokens: list[int], n: int) -> None:
-        """Store the whole blocks of ``tokens[:n]`` (the row's cache holds them, from its start) that the prefix
-        cache lacks, copied out of the row's cache."""
-        keys = self._block_keys(row.req, tokens)[: n // self.prefix.block]
+    def _remember(self, row: _Row, n: int) -> None:
+        """Store the whole blocks among the first ``n`` tokens of the row's sequence (its cache holds them, from its
+        start) that the prefix cache lacks, copied out of the row's cache."""
+        keys = self._block_keys(row.req, n)
         first = self.prefix.missing(keys)
         if first == len(keys):
             return
@@ -425,7 +427,7 @@ class ContinuousEngine(EngineBase):
             for key, _ in chunks:
                 row = self._rows.get(key)
                 if row is not None and row.cache is not None and self._chunkable(row.req):
-                    self._remember(row, row.prefill, row.prefilled)
+                    self._remember(row, row.prefilled)
         produced = 0
         if ready:
             toks, lps = self._draw(logits if len(ready) == len(rows) else logits[[i for i, _ in ready]],
@@ -517,7 +519,7 @@ class ContinuousEngine(EngineBase):
                 and c.lossless:
             # prompt and answer, for a chat's next turn (a cache that quantized or destroyed tokens computed the
             # later ones from inexact K/V: it gave its prompt's blocks when the prompt was in)
-            self._remember(row, list(row.req.prompt_ids) + row.generated, c.state.n_total)
+            self._remember(row, c.state.n_total)
         usage = self._usage(row)
         self.metrics.finished[reason] += 1
         self._release(row)

@@ -39,6 +39,9 @@ def test_block_keys_chain_the_prefix_and_the_salt():
     assert block_keys(a, salt_of("key-1", None), 16) == salted  # deterministic
     assert salt_of("key-1", None) != salt_of("key-2", None) != salt_of("key-1", "s")
     assert salt_of(None, None) == b"" and salt_of("ab", "c") != salt_of("a", "bc")  # (parts length-prefixed)
+    # a chain continued from its last key is the chain hashed whole (the engine hashes a growing sequence once)
+    assert block_keys(a[:32], b"s", 16) + block_keys(a[32:64], block_keys(a[:32], b"s", 16)[-1], 16) == \
+        block_keys(a[:64], b"s", 16)
 
 
 def _kv(n: int, fill: float = 0.0, L: int = 2, H: int = 1, D: int = 4) -> torch.Tensor:
