@@ -104,10 +104,15 @@ class ServeSettings:
         """Whether an ``Authorization`` header carries one of the keys (compared in constant time, all of them)."""
         import hmac
 
-        scheme, _, token = (authorization or "").partition(" ")
-        token = token.strip().encode()
-        hits = [hmac.compare_digest(token, k.encode()) for k in self.api_keys]
+        scheme, token = _bearer(authorization)
+        hits = [hmac.compare_digest(token.encode(), k.encode()) for k in self.api_keys]
         return scheme.lower() == "bearer" and any(hits)
+
+
+def _bearer(authorization: str | None) -> tuple[str, str]:
+    """An ``Authorization`` header's scheme and token (empty strings where missing)."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return scheme, token.strip()
 
 
 class APIError(Exception):
@@ -433,7 +438,7 @@ class Server:
         keys (the route checked it), and its ``cache_salt``."""
         from .prefix import salt_of
 
-        key = (authorization or "").partition(" ")[2].strip() if self.s.api_keys else None
+        key = _bearer(authorization)[1] if self.s.api_keys else None
         return salt_of(key, cache_salt)
 
     def logprobs_asked(self, body, chat: bool) -> int | None:
