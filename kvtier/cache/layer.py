@@ -319,10 +319,10 @@ class TieredLayer(KVTierLayer):
             t = lay.tiers[x]
             if not t.count:
                 continue
-            sel = (t.pos >= start) & (t.pos < end)
             if start == 0 and end >= m:
                 b, pos, slot = t.b, t.pos, t.slot  # (a whole prompt so far: every token of the tier)
             else:
+                sel = (t.pos >= start) & (t.pos < end)
                 b, pos, slot = t.b[sel], t.pos[sel], t.slot[sel]
             covered += int(pos.numel())
             if pos.numel():
